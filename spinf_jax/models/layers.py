@@ -1,0 +1,83 @@
+"""Building blocks shared by the model families: the packed tree batch, norms, rotary embeddings, MLP."""
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from spinf_jax.quant import Weight, linear
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TreeBatch:
+    """A packed pass: many token trees laid out one after another, each in depth-first order.
+
+    Token j is visible to token i exactly when j <= i < span_end[j]: a token's span is itself plus its
+    subtree (everything laid out after it up to span_end). A content's trunk tokens span the whole tree,
+    so every branch sees the trunk; a branch's tokens span only their own sub-branches, so siblings never
+    see each other; and nothing spans past its own tree, so packed contents never see their neighbours.
+    A plain sequence is the special case span_end[j] = T for all j. Padding spans only itself.
+    """
+
+    tokens: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32: depth in the tree, i.e. position in the equivalent linear sequence
+    span_end: jax.Array  # [T] int32
+
+    @staticmethod
+    def sequence(tokens) -> "TreeBatch":
+        tokens = jnp.asarray(tokens, jnp.int32)
+        n = tokens.shape[0]
+        return TreeBatch(tokens, jnp.arange(n, dtype=jnp.int32), jnp.full((n,), n, jnp.int32))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool) -> jax.Array:
+    """RMSNorm computed in f32. Gemma scales by (1 + w) before casting back; Llama/Qwen cast back first
+    and then scale by w. Matching where the cast happens keeps bf16 parity with the reference."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class Rope:
+    theta: float
+    linear_factor: float = 1.0  # "linear" rope scaling divides every frequency by this factor
+
+    @staticmethod
+    def from_hf(params: dict | None, default_theta: float) -> "Rope":
+        params = params or {}
+        kind = params.get("rope_type", params.get("type", "default"))
+        theta = float(params.get("rope_theta", default_theta))
+        if kind == "default":
+            return Rope(theta)
+        if kind == "linear":
+            return Rope(theta, float(params["factor"]))
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
+    """Rotate-half rotary embedding. x [T, heads, head_dim], positions [T]."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[:, None] * (inv_freq / rope.linear_factor)[None, :]  # [T, D/2]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def gated_mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, activation) -> jax.Array:
+    return linear(activation(linear(x, gate)) * linear(x, up), down)
+
+
+def gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+def embedding_scale(hidden: int, dtype) -> jax.Array:
+    """Gemma multiplies embeddings by sqrt(hidden) rounded to the activation dtype (as the reference does)."""
+    return jnp.asarray(math.sqrt(hidden), dtype)

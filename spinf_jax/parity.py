@@ -1,0 +1,223 @@
+"""Parity: score recorded prompts with our engine and compare with log-probabilities recorded from
+Hugging Face transformers (PyTorch). References are produced by fixtures/record_references.py, never by us.
+
+All prompts of a fixture run as one packed pass (each prompt a chain of the tree layout), padded to a
+multiple of 128 tokens, so one compiled program serves the fixture and packing is exercised too.
+"""
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from spinf_jax.loader import Model, load_model
+from spinf_jax.models.layers import TreeBatch
+
+PAD_TO = 128
+ROWS_PER_CALL = 128  # log-softmax rows per call: bounds the [rows, vocab] logits block
+REPO = Path(__file__).resolve().parent.parent
+MANIFEST = REPO / "fixtures" / "manifest.json"
+
+
+@dataclass
+class ParityResult:
+    name: str
+    precision: str
+    compared: int  # how many log-probabilities were compared
+    max_abs: float
+    mean_abs: float
+    top1_agreement: float  # our argmax == the reference's top-1, over all positions
+    tolerance: float | None  # bound on max |Δ| (None: the mean and top-1 bounds carry the check)
+    mean_tolerance: float | None
+    min_top1: float | None
+    tokenizer_ok: bool | None  # our tokenizer reproduces the recorded token ids (None: no text prompts)
+    bit_identical: bool | None  # passes > 1: every pass gave the same bits
+    load_seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return (
+            (self.tolerance is None or self.max_abs <= self.tolerance)
+            and (self.mean_tolerance is None or self.mean_abs <= self.mean_tolerance)
+            and (self.min_top1 is None or self.top1_agreement >= self.min_top1)
+            and self.tokenizer_ok is not False
+            and self.bit_identical is not False
+        )
+
+    def line(self) -> str:
+        bounds = ", ".join(
+            f"{what} ≤ {bound:g}"
+            for what, bound in (("max", self.tolerance), ("mean", self.mean_tolerance))
+            if bound is not None
+        )
+        extra = f" top1 {self.top1_agreement:.4f}" + (f" (≥ {self.min_top1})" if self.min_top1 else "")
+        if self.tokenizer_ok is not None:
+            extra += f" tokenizer {'ok' if self.tokenizer_ok else 'MISMATCH'}"
+        if self.bit_identical is not None:
+            extra += f" passes {'bit-identical' if self.bit_identical else 'DIFFER'}"
+        return (
+            f"{'PASS' if self.ok else 'FAIL'} {self.name} [{self.precision}] {self.compared} log-probs: "
+            f"max |Δ| {self.max_abs:.3g} mean |Δ| {self.mean_abs:.3g} ({bounds}){extra} "
+            f"load {self.load_seconds:.1f}s"
+        )
+
+
+def read_reference(path: Path) -> dict:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+def pack_prompts(prompts: list[list[int]]) -> tuple[TreeBatch, list[int]]:
+    """All prompts as independent chains of one pass; returns the batch and each prompt's start."""
+    tokens, positions, span_end, starts = [], [], [], []
+    for ids in prompts:
+        start = len(tokens)
+        starts.append(start)
+        tokens += ids
+        positions += range(len(ids))
+        span_end += [start + len(ids)] * len(ids)
+    total = -(-len(tokens) // PAD_TO) * PAD_TO
+    pad = total - len(tokens)
+    span_end += range(len(tokens) + 1, total + 1)  # a pad token sees only itself
+    tokens += [0] * pad
+    positions += [0] * pad
+    batch = TreeBatch(*(jnp.asarray(x, jnp.int32) for x in (tokens, positions, span_end)))
+    return batch, starts
+
+
+def score_reference(model: Model, prompts: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """Our log-probs of every recorded (position, token) pair and our argmax at every position."""
+    batch, starts = pack_prompts([p["token_ids"] for p in prompts])
+    hidden = model.hidden(batch)
+    rows, targets = [], []
+    for p, start in zip(prompts, starts, strict=True):
+        ids, top = p["token_ids"], p["top_ids"]
+        for t in range(len(ids)):
+            nxt = [ids[t + 1]] if t + 1 < len(ids) else [top[t][0]]
+            rows.append(start + t)
+            targets.append(nxt + list(top[t]))
+    k = len(targets[0])
+    n = len(rows)
+    padded = -(-n // ROWS_PER_CALL) * ROWS_PER_CALL
+    rows_arr = np.zeros(padded, np.int32)
+    rows_arr[:n] = rows
+    target_arr = np.zeros((padded, k), np.int32)
+    target_arr[:n] = targets
+    lps, tops = [], []
+    for i in range(0, padded, ROWS_PER_CALL):
+        lp, top1 = model.logprobs(hidden[rows_arr[i : i + ROWS_PER_CALL]], target_arr[i : i + ROWS_PER_CALL])
+        lps.append(np.asarray(lp))
+        tops.append(np.asarray(top1))
+    return np.concatenate(lps)[:n], np.concatenate(tops)[:n]
+
+
+def compare(
+    model: Model,
+    ref: dict,
+    *,
+    tolerance: float | None,
+    mean_tolerance: float | None,
+    min_top1: float | None,
+    passes: int,
+    name: str,
+) -> ParityResult:
+    prompts = ref["prompts"]
+    tokenizer_ok = None
+    if model.tokenizer is not None and any(p.get("text") is not None for p in prompts):
+        tok = model.tokenizer
+        tokenizer_ok = all(
+            tok.prefix() + tok.encode(p["text"]) == p["token_ids"]
+            for p in prompts
+            if p.get("text") is not None
+        )
+    ours, argmax = score_reference(model, prompts)
+    bit_identical = None
+    if passes > 1:
+        bit_identical = all(
+            np.array_equal(ours, again) and np.array_equal(argmax, top)
+            for again, top in (score_reference(model, prompts) for _ in range(passes - 1))
+        )
+    # The same layout as score_reference: per position, [next token (or top-1 at the end), top-5...].
+    recorded, ref_top1, has_next = [], [], []
+    for p in prompts:
+        n = len(p["token_ids"])
+        for t in range(n):
+            nxt = [p["logprobs"][t]] if t + 1 < n else [p["top_logprobs"][t][0]]
+            recorded.append(nxt + list(p["top_logprobs"][t]))
+            ref_top1.append(p["top_ids"][t][0])
+            has_next.append(t + 1 < n)
+    recorded = np.asarray(recorded, np.float64)
+    diff = np.abs(ours.astype(np.float64) - recorded)
+    return ParityResult(
+        name=name,
+        precision=model.precision.value,
+        compared=int(diff.size),
+        max_abs=float(diff.max()),
+        mean_abs=float(diff.mean()),
+        top1_agreement=float(np.mean(argmax == np.asarray(ref_top1))),
+        tolerance=tolerance,
+        mean_tolerance=mean_tolerance,
+        min_top1=min_top1,
+        tokenizer_ok=tokenizer_ok,
+        bit_identical=bit_identical,
+        load_seconds=model.load_seconds,
+    )
+
+
+def run(
+    fixture: str,
+    reference: Path,
+    *,
+    precision: str = "fp32",
+    tolerance: float | None = 1e-4,
+    mean_tolerance: float | None = None,
+    min_top1: float | None = None,
+    passes: int = 1,
+    name: str | None = None,
+    model: Model | None = None,
+) -> ParityResult:
+    ref = read_reference(Path(reference))
+    model = model or load_model(fixture, precision)
+    return compare(
+        model,
+        ref,
+        tolerance=tolerance,
+        mean_tolerance=mean_tolerance,
+        min_top1=min_top1,
+        passes=passes,
+        name=name or ref.get("name", fixture),
+    )
+
+
+def manifest(path: Path = MANIFEST) -> list[dict]:
+    return json.loads(Path(path).read_text())["fixtures"]
+
+
+def run_all(passes: int = 1, path: Path = MANIFEST, only: str | None = None):
+    """Every manifest entry; models shared between entries of the same (model, precision) load once."""
+    loaded: dict[tuple[str, str], Model] = {}
+    for entry in manifest(path):
+        if only and only not in entry["name"]:
+            continue
+        key = (entry["model"], entry["precision"])
+        model = loaded.get(key) or load_model(_repo_path(entry["model"]), entry["precision"])
+        loaded = {key: model}  # keep only the current model resident
+        yield run(
+            entry["model"],
+            REPO / entry["reference"],
+            precision=entry["precision"],
+            tolerance=entry.get("tolerance"),
+            mean_tolerance=entry.get("mean_tolerance"),
+            min_top1=entry.get("min_top1"),
+            passes=passes,
+            name=entry["name"],
+            model=model,
+        )
+
+
+def _repo_path(spec: str) -> str:
+    """Manifest model specs are built-in names or paths relative to the repository."""
+    return str(REPO / spec) if (REPO / spec).exists() else spec

@@ -1,0 +1,87 @@
+"""Weight precisions and the one matmul every linear layer goes through.
+
+Linear weights are stored [out, in], as Hugging Face stores them, so every projection is `x @ Wᵀ`
+(contracting the last dim of both): the operand layout cuBLASLt's fp8 path wants without a transpose.
+
+A quantized weight is data, not a different layer: `QuantArray(values, scale)` holds the low-precision
+values and one f32 scale per output channel (per row). `linear` and `embed` dispatch on the weight's type.
+"""
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import jax
+import jax.numpy as jnp
+
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+INT8_MAX = 127.0
+
+
+class Precision(StrEnum):
+    FP32 = "fp32"  # weights and activations in f32: the parity reference precision
+    BF16 = "bf16"
+    FP8 = "fp8"  # e4m3 weights with per-channel scales, activations quantized per token (W8A8)
+    INT8 = "int8"  # int8 weights with per-channel scales, bf16 activations (for GPUs without fp8)
+
+    @property
+    def activation_dtype(self):
+        return jnp.float32 if self is Precision.FP32 else jnp.bfloat16
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantArray:
+    values: jax.Array  # [out, in] float8_e4m3fn or int8
+    scale: jax.Array  # [out] float32: row r of the real weight is values[r] * scale[r]
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+
+Weight = jax.Array | QuantArray
+
+
+def quantize(w: jax.Array, precision: Precision) -> Weight:
+    """Cast or quantize one [out, in] weight (or [vocab, hidden] embedding) to its stored form."""
+    if precision in (Precision.FP32, Precision.BF16):
+        return w.astype(precision.activation_dtype)
+    w = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=-1)
+    if precision is Precision.FP8:
+        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+        values = (w / scale[:, None]).astype(jnp.float8_e4m3fn)
+    else:
+        scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+        values = jnp.clip(jnp.round(w / scale[:, None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return QuantArray(values, scale)
+
+
+def _quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token (per-row) dynamic fp8 scaling: each row's scale depends only on that row, which keeps
+    a token's result independent of whatever else is in the batch."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (x / scale).astype(jnp.float8_e4m3fn), scale
+
+
+def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
+    """x [..., in] @ w[out, in]ᵀ → [..., out], in x's dtype unless out_dtype is given."""
+    out_dtype = out_dtype or x.dtype
+    contract = (((x.ndim - 1,), (1,)), ((), ()))
+    if not isinstance(w, QuantArray):
+        return jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.float32).astype(out_dtype)
+    if w.values.dtype == jnp.float8_e4m3fn:
+        xq, x_scale = _quantize_rows_fp8(x)
+        y = jax.lax.dot_general(xq, w.values, contract, preferred_element_type=jnp.float32)
+        return (y * x_scale * w.scale).astype(out_dtype)
+    y = jax.lax.dot_general(x, w.values.astype(x.dtype), contract, preferred_element_type=jnp.float32)
+    return (y * w.scale).astype(out_dtype)
+
+
+def embed(ids: jax.Array, table: Weight, dtype) -> jax.Array:
+    """Rows of an embedding table [vocab, hidden] for token ids [...] → [..., hidden]."""
+    if not isinstance(table, QuantArray):
+        return table[ids].astype(dtype)
+    return (table.values[ids].astype(jnp.float32) * table.scale[ids][..., None]).astype(dtype)

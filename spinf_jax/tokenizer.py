@@ -1,0 +1,119 @@
+"""Text → token ids. The engine only ever sees ids; this layer owns BOS handling and tokenizer loading.
+
+Pieces (content, filled template, option) are encoded separately without special tokens; the caller adds
+BOS once at the start of a sequence when the model's tokenizer wants one. That flag comes from the
+checkpoint (GGUF `tokenizer.ggml.add_bos_token`, or what a Hugging Face tokenizer does to plain text):
+Gemma without its BOS gives garbage scores.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS, GGUF_TOKENIZER_MAPPING
+
+# llama.cpp token types
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+
+class Tokenizer:
+    def __init__(self, backend: tokenizers.Tokenizer, bos_id: int | None, add_bos: bool):
+        self.backend = backend
+        self.bos_id = bos_id
+        self.add_bos = add_bos and bos_id is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of one piece of text, no special tokens added."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def prefix(self) -> list[int]:
+        """What starts every sequence: [BOS] or nothing."""
+        return [self.bos_id] if self.add_bos else []
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    @staticmethod
+    def from_folder(folder: Path) -> "Tokenizer":
+        folder = Path(folder)
+        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        bos = config.get("bos_token")
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        bos_id = backend.token_to_id(bos) if bos else None
+        if "add_bos_token" in config:
+            add_bos = bool(config["add_bos_token"])
+        else:  # no flag: BOS is wanted exactly when the tokenizer's own post-processor adds it
+            ids = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and ids[:1] == [bos_id]
+        return Tokenizer(backend, bos_id, add_bos)
+
+    @staticmethod
+    def from_gguf(gguf_file) -> "Tokenizer":
+        """Build the tokenizer from a GGUF file's metadata (vocabulary, scores or merges, special ids)."""
+        if gguf_file.field("tokenizer.ggml.model") == "llama":
+            backend = _sentencepiece_bpe(gguf_file)
+        else:  # byte-level BPE with merges in the file (gpt2-style): transformers' converter reads it
+            fields = {}
+            for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items():
+                value = gguf_file.field("tokenizer." + key)
+                if value is not None:
+                    fields[name] = list(value) if isinstance(value, list | np.ndarray) else value
+            backend = GGUF_TO_FAST_CONVERTERS[gguf_file.config["model_type"]](fields).converted()
+        bos_id = gguf_file.field("tokenizer.ggml.bos_token_id")
+        return Tokenizer(backend, bos_id, bool(gguf_file.field("tokenizer.ggml.add_bos_token", False)))
+
+
+def _sentencepiece_bpe(gguf_file) -> tokenizers.Tokenizer:
+    """A SentencePiece BPE vocabulary (GGUF tokenizer model "llama", e.g. Gemma 3) as a `tokenizers` BPE.
+
+    SentencePiece stores scores, not merges. A merge (left, right) exists wherever both halves of a piece
+    are pieces; merges apply in order of the merged piece's score, longer left halves first, then vocabulary
+    order. llama.cpp writes user-defined pieces with score -1000 where SentencePiece gives them 0, so they
+    count as 0 here. This reproduces the official Gemma 3 tokenizer.json merge for merge (514,906 merges).
+    (transformers builds a Unigram model from these scores instead, which splits common words apart.)
+    """
+    tokens = gguf_file.field("tokenizer.ggml.tokens")
+    scores = gguf_file.field("tokenizer.ggml.scores")
+    types = gguf_file.field("tokenizer.ggml.token_type")
+    pieces = [t.replace(" ", "▁") for t in tokens]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    mergeable = {i for i, t in enumerate(types) if t in (_NORMAL, _USER_DEFINED)}
+    ranked = []
+    for i, piece in enumerate(pieces):
+        if i not in mergeable:
+            continue
+        score = 0.0 if types[i] == _USER_DEFINED else scores[i]
+        for cut in range(1, len(piece)):
+            left, right = vocab.get(piece[:cut]), vocab.get(piece[cut:])
+            if left in mergeable and right in mergeable:
+                ranked.append(((-score, -cut, cut - len(piece), i, left, right), piece[:cut], piece[cut:]))
+    ranked.sort(key=lambda m: m[0])
+    unk = gguf_file.field("tokenizer.ggml.unknown_token_id")
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab,
+            [(left, right) for _, left, right in ranked],
+            unk_token=pieces[unk] if unk else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    prefix = gguf_file.field("tokenizer.ggml.add_space_prefix", False)
+    backend.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend("▁")] if prefix else []) + [normalizers.Replace(" ", "▁")]
+    )
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+    )
+    return backend

@@ -39,3 +39,73 @@ def reference(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("kgts,skd->tkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(t, h, d).astype(q.dtype)
+
+
+def blockwise(
+    q: jax.Array,  # [T, H, D]
+    k: jax.Array,  # [T, K, D]
+    v: jax.Array,  # [T, K, D]
+    positions: jax.Array,  # [T]
+    span_end: jax.Array,  # [T]
+    tree_start_block: jax.Array,  # [T // block]: first key block of the tree each query block belongs to
+    *,
+    scale: float,
+    window: int | None = None,
+    block: int,
+) -> jax.Array:  # [T, H, D]
+    """Batch-invariant tree attention: online softmax over key blocks, counted from the query's own tree.
+
+    Every tree of the pass starts on a block boundary. Query block qb visits key blocks
+    tree_start_block[qb] + r for r = 0, 1, ... in order, so the reduction order of a query depends only on
+    its own tree, never on where the tree sits in the pass or what else is packed with it. Key blocks past
+    the query block contribute exactly nothing (their state update is the identity), and blocks before the
+    tree are never visited. This is the algorithm the GPU kernels implement; here it is plain JAX.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    t, h, d = q.shape
+    kv = k.shape[1]
+    groups = h // kv
+    nb = t // block
+    qb = q.reshape(nb, block, kv, groups, d)
+    kb = k.reshape(nb, block, kv, d)
+    vb = v.reshape(nb, block, kv, d)
+    q_idx = jnp.arange(t, dtype=jnp.int32).reshape(nb, block)
+    q_pos = positions.reshape(nb, block)
+    own_block = jnp.arange(nb, dtype=jnp.int32)
+    steps = jnp.max(own_block - tree_start_block) + 1
+
+    def step(state):
+        r, m, denom, acc = state
+        key_block = tree_start_block + r  # [nb]
+        live = key_block <= own_block
+        key_block = jnp.minimum(key_block, own_block)
+        k_idx = key_block[:, None] * block + jnp.arange(block, dtype=jnp.int32)[None, :]  # [nb, block]
+        visible = (
+            live[:, None, None]
+            & (k_idx[:, None, :] <= q_idx[:, :, None])
+            & (q_idx[:, :, None] < span_end[k_idx][:, None, :])
+        )
+        if window is not None:
+            visible &= q_pos[:, :, None] - positions[k_idx][:, None, :] < window
+        s = jnp.einsum("nbkgd,nckd->nkgbc", qb, kb[key_block], preferred_element_type=jnp.float32) * scale
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        # A row that has seen nothing yet keeps m = -inf; shift by 0 there so no inf - inf appears.
+        shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        p = jnp.exp(s - shift[..., None])
+        alpha = jnp.exp(m - shift)
+        denom = denom * alpha + jnp.sum(p, axis=-1)
+        pv = jnp.einsum(
+            "nkgbc,nckd->nkgbd", p.astype(v.dtype), vb[key_block], preferred_element_type=jnp.float32
+        )
+        return r + 1, m_new, denom, acc * alpha[..., None] + pv
+
+    init = (
+        jnp.int32(0),
+        jnp.full((nb, kv, groups, block), -jnp.inf, jnp.float32),
+        jnp.zeros((nb, kv, groups, block), jnp.float32),
+        jnp.zeros((nb, kv, groups, block, d), jnp.float32),
+    )
+    _, _, denom, acc = jax.lax.while_loop(lambda s: s[0] < steps, step, init)
+    out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]  # [nb, kv, groups, block, d]
+    return out.transpose(0, 3, 1, 2, 4).reshape(t, h, d).astype(q.dtype)

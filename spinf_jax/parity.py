@@ -84,7 +84,9 @@ def pack_prompts(prompts: list[list[int]]) -> tuple[TreeBatch, list[int]]:
     span_end += range(len(tokens) + 1, total + 1)  # a pad token sees only itself
     tokens += [0] * pad
     positions += [0] * pad
-    batch = TreeBatch(*(jnp.asarray(x, jnp.int32) for x in (tokens, positions, span_end)))
+    # Prompts are not block-aligned here: every block reads from block 0 and the mask does the rest.
+    tree_start_block = [0] * (total // PAD_TO)
+    batch = TreeBatch(*(jnp.asarray(x, jnp.int32) for x in (tokens, positions, span_end, tree_start_block)))
     return batch, starts
 
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tree_attention import reference as tree_attention
 from spinf_jax.models.layers import (
     Rope,
     TreeBatch,
@@ -20,6 +19,7 @@ from spinf_jax.models.layers import (
     gated_mlp,
     gelu_tanh,
     rms_norm,
+    tree_attention,
 )
 from spinf_jax.models.params import Kind, Param
 from spinf_jax.quant import Precision, embed, linear
@@ -118,15 +118,8 @@ def _attention(x, w, batch: TreeBatch, cfg: Config, layer_type: str):
     sliding = layer_type == SLIDING
     rope = cfg.rope_local if sliding else cfg.rope_global
     q, k = apply_rope(q, batch.positions, rope), apply_rope(k, batch.positions, rope)
-    out = tree_attention(
-        q,
-        k,
-        v,
-        batch.positions,
-        batch.span_end,
-        scale=cfg.query_pre_attn_scalar**-0.5,
-        window=cfg.sliding_window if sliding else None,
-    )
+    scale, window = cfg.query_pre_attn_scalar**-0.5, cfg.sliding_window if sliding else None
+    out = tree_attention(q, k, v, batch, scale=scale, window=window)
     return linear(out.reshape(t, -1), w["o"])
 
 

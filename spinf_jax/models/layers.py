@@ -5,7 +5,9 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pallas_kernels.tree_attention import blockwise
 from spinf_jax.quant import Weight, linear
 
 
@@ -19,17 +21,48 @@ class TreeBatch:
     so every branch sees the trunk; a branch's tokens span only their own sub-branches, so siblings never
     see each other; and nothing spans past its own tree, so packed contents never see their neighbours.
     A plain sequence is the special case span_end[j] = T for all j. Padding spans only itself.
+
+    Attention runs over blocks of T // len(tree_start_block) tokens. Trees start on block boundaries and each
+    query block reads keys from its own tree's first block on, which is what makes a tree's results the same
+    bits wherever it is packed (pallas_kernels.tree_attention.blockwise).
     """
 
     tokens: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32: depth in the tree, i.e. position in the equivalent linear sequence
     span_end: jax.Array  # [T] int32
+    tree_start_block: jax.Array  # [T // block] int32: first block of the tree each block belongs to
+
+    @property
+    def block(self) -> int:
+        return self.tokens.shape[0] // self.tree_start_block.shape[0]
 
     @staticmethod
-    def sequence(tokens) -> "TreeBatch":
-        tokens = jnp.asarray(tokens, jnp.int32)
-        n = tokens.shape[0]
-        return TreeBatch(tokens, jnp.arange(n, dtype=jnp.int32), jnp.full((n,), n, jnp.int32))
+    def sequence(tokens, block: int = 128) -> "TreeBatch":
+        """One plain sequence, padded to a whole number of blocks (the padding rows are not meaningful)."""
+        n = len(tokens)
+        total = -(-n // block) * block
+        ids = np.zeros(total, np.int32)
+        ids[:n] = tokens
+        positions = np.zeros(total, np.int32)
+        positions[:n] = np.arange(n)
+        span_end = np.arange(1, total + 1, dtype=np.int32)
+        span_end[:n] = n
+        return TreeBatch(*map(jnp.asarray, (ids, positions, span_end, np.zeros(total // block, np.int32))))
+
+
+def tree_attention(q, k, v, batch: TreeBatch, *, scale: float, window: int | None = None) -> jax.Array:
+    """q [T, H, D], k/v [T, K, D] → [T, H, D] under the tree mask of `batch`."""
+    return blockwise(
+        q,
+        k,
+        v,
+        batch.positions,
+        batch.span_end,
+        batch.tree_start_block,
+        scale=scale,
+        window=window,
+        block=batch.block,
+    )
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool) -> jax.Array:

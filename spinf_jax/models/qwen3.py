@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tree_attention import reference as tree_attention
-from spinf_jax.models.layers import Rope, TreeBatch, apply_rope, gated_mlp, rms_norm
+from spinf_jax.models.layers import Rope, TreeBatch, apply_rope, gated_mlp, rms_norm, tree_attention
 from spinf_jax.models.params import Kind, Param
 from spinf_jax.quant import Precision, embed, linear
 
@@ -113,7 +112,7 @@ def _attention(x, w, batch: TreeBatch, cfg: Config):
     if cfg.qk_norm:
         q, k = _norm(q, w["q_norm"], cfg), _norm(k, w["k_norm"], cfg)
     q, k = apply_rope(q, batch.positions, cfg.rope), apply_rope(k, batch.positions, cfg.rope)
-    out = tree_attention(q, k, v, batch.positions, batch.span_end, scale=cfg.head_dim**-0.5)
+    out = tree_attention(q, k, v, batch, scale=cfg.head_dim**-0.5)
     return linear(out.reshape(x.shape[0], -1), w["o"])
 
 

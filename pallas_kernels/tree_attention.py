@@ -56,10 +56,9 @@ def blockwise(
     """Batch-invariant tree attention: online softmax over key blocks, counted from the query's own tree.
 
     Every tree of the pass starts on a block boundary. Query block qb visits key blocks
-    tree_start_block[qb] + r for r = 0, 1, ... in order, so the reduction order of a query depends only on
-    its own tree, never on where the tree sits in the pass or what else is packed with it. Key blocks past
-    the query block contribute exactly nothing (their state update is the identity), and blocks before the
-    tree are never visited. This is the algorithm the GPU kernels implement; here it is plain JAX.
+    tree_start_block[qb], ..., qb in order, so the reduction order of a query depends only on its own tree,
+    never on where the tree sits in the pass or what else is packed with it; blocks outside the tree are
+    never visited. This is the algorithm the GPU kernels implement; here it is plain JAX.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     t, h, d = q.shape
@@ -69,43 +68,42 @@ def blockwise(
     qb = q.reshape(nb, block, kv, groups, d)
     kb = k.reshape(nb, block, kv, d)
     vb = v.reshape(nb, block, kv, d)
-    q_idx = jnp.arange(t, dtype=jnp.int32).reshape(nb, block)
-    q_pos = positions.reshape(nb, block)
-    own_block = jnp.arange(nb, dtype=jnp.int32)
-    steps = jnp.max(own_block - tree_start_block) + 1
+    offsets = jnp.arange(block, dtype=jnp.int32)
 
-    def step(state):
-        r, m, denom, acc = state
-        key_block = tree_start_block + r  # [nb]
-        live = key_block <= own_block
-        key_block = jnp.minimum(key_block, own_block)
-        k_idx = key_block[:, None] * block + jnp.arange(block, dtype=jnp.int32)[None, :]  # [nb, block]
-        visible = (
-            live[:, None, None]
-            & (k_idx[:, None, :] <= q_idx[:, :, None])
-            & (q_idx[:, :, None] < span_end[k_idx][:, None, :])
-        )
-        if window is not None:
-            visible &= q_pos[:, :, None] - positions[k_idx][:, None, :] < window
-        s = jnp.einsum("nbkgd,nckd->nkgbc", qb, kb[key_block], preferred_element_type=jnp.float32) * scale
-        s = jnp.where(visible[:, None, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        # A row that has seen nothing yet keeps m = -inf; shift by 0 there so no inf - inf appears.
-        shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-        p = jnp.exp(s - shift[..., None])
-        alpha = jnp.exp(m - shift)
-        denom = denom * alpha + jnp.sum(p, axis=-1)
-        pv = jnp.einsum(
-            "nkgbc,nckd->nkgbd", p.astype(v.dtype), vb[key_block], preferred_element_type=jnp.float32
-        )
-        return r + 1, m_new, denom, acc * alpha[..., None] + pv
+    def query_block(i):
+        # One query block at a time, with the same loop body whatever the pass size: the row bits then
+        # depend only on the tree (vectorising over all query blocks let XLA's CPU code vary with T).
+        q_idx = i * block + offsets
+        q_pos = positions[q_idx]
 
-    init = (
-        jnp.int32(0),
-        jnp.full((nb, kv, groups, block), -jnp.inf, jnp.float32),
-        jnp.zeros((nb, kv, groups, block), jnp.float32),
-        jnp.zeros((nb, kv, groups, block, d), jnp.float32),
-    )
-    _, _, denom, acc = jax.lax.while_loop(lambda s: s[0] < steps, step, init)
-    out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]  # [nb, kv, groups, block, d]
-    return out.transpose(0, 3, 1, 2, 4).reshape(t, h, d).astype(q.dtype)
+        def step(r, state):
+            m, denom, acc = state
+            key_block = tree_start_block[i] + r
+            k_idx = key_block * block + offsets
+            visible = (k_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] < span_end[k_idx][None, :])
+            if window is not None:
+                visible &= q_pos[:, None] - positions[k_idx][None, :] < window
+            s = jnp.einsum("bkgd,ckd->kgbc", qb[i], kb[key_block], preferred_element_type=jnp.float32) * scale
+            s = jnp.where(visible[None, None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            # A row that has seen nothing yet keeps m = -inf; shift by 0 there so no inf - inf appears.
+            shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+            p = jnp.exp(s - shift[..., None])
+            alpha = jnp.exp(m - shift)
+            denom = denom * alpha + jnp.sum(p, axis=-1)
+            pv = jnp.einsum(
+                "kgbc,ckd->kgbd", p.astype(v.dtype), vb[key_block], preferred_element_type=jnp.float32
+            )
+            return m_new, denom, acc * alpha[..., None] + pv
+
+        init = (
+            jnp.full((kv, groups, block), -jnp.inf, jnp.float32),
+            jnp.zeros((kv, groups, block), jnp.float32),
+            jnp.zeros((kv, groups, block, d), jnp.float32),
+        )
+        _, denom, acc = jax.lax.fori_loop(0, i - tree_start_block[i] + 1, step, init)
+        out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]  # [kv, groups, block, d]
+        return out.transpose(2, 0, 1, 3).reshape(block, h, d)
+
+    out = jax.lax.map(query_block, jnp.arange(nb, dtype=jnp.int32))
+    return out.reshape(t, h, d).astype(q.dtype)

@@ -1,7 +1,10 @@
 """Find a checkpoint (built-in name, local folder or file, Hugging Face Hub id), read it tensor by tensor
 and place each weight on the device in its final (quantized) form."""
 
+import hashlib
 import importlib.util
+import json
+import os
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
@@ -92,6 +95,38 @@ def load_weights(specs, checkpoint, precision: Precision):
     return jax.tree.map(one, specs, is_leaf=is_param)
 
 
+_DIGESTS = Path(os.environ.get("SPINF_CACHE", Path.home() / ".cache" / "spinf-jax")) / "digests.json"
+
+
+def checkpoint_digest(path: Path) -> str:
+    """sha256 over the checkpoint's files (weights, config, tokenizer), remembered per (file, size, mtime)
+    so that a 24 GB checkpoint is hashed once, not at every start. It keys the scores' fingerprint."""
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(
+            f
+            for f in path.iterdir()
+            if f.is_file() and f.suffix in (".safetensors", ".json", ".gguf", ".model")
+        )
+    )
+    known = json.loads(_DIGESTS.read_text()) if _DIGESTS.exists() else {}
+    total = hashlib.sha256()
+    for f in files:
+        stat = f.stat()
+        key = f"{f.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        if key not in known:
+            h = hashlib.sha256()
+            with f.open("rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    h.update(chunk)
+            known[key] = h.hexdigest()
+        total.update(f"{f.name}:{known[key]}".encode())
+    _DIGESTS.parent.mkdir(parents=True, exist_ok=True)
+    _DIGESTS.write_text(json.dumps(known))
+    return total.hexdigest()
+
+
 @dataclass
 class Model:
     """A loaded model: config, weights on the device, tokenizer, and the compiled forward pieces."""
@@ -102,7 +137,11 @@ class Model:
     precision: Precision
     params: dict
     tokenizer: Tokenizer | None
+    digest: str = ""  # checkpoint_digest of what was loaded
     load_seconds: float = 0.0
+    # Row-local work in tiles of this many rows (see models.layers.by_rows); None where the backend's own
+    # programs are row-invariant. On the CPU they are not across pass sizes.
+    row_tile: int | None = field(default_factory=lambda: 128 if jax.default_backend() == "cpu" else None)
     _jitted: dict = field(default_factory=dict, repr=False)
 
     def hidden(self, batch: TreeBatch) -> jax.Array:
@@ -110,7 +149,9 @@ class Model:
         fn = self._jitted.get("hidden")
         if fn is None:
             fn = self._jitted["hidden"] = jax.jit(
-                partial(self.family.forward, cfg=self.config, precision=self.precision)
+                partial(
+                    self.family.forward, cfg=self.config, precision=self.precision, row_tile=self.row_tile
+                )
             )
         return fn(self.params, batch)
 
@@ -154,4 +195,5 @@ def load_model(spec: str = DEFAULT_MODEL, precision: Precision | str = Precision
     else:
         tokenizer = None  # tiny test checkpoints are scored from token ids
     jax.block_until_ready(params)
-    return Model(spec, family, config, precision, params, tokenizer, time.perf_counter() - start)
+    digest = checkpoint_digest(path)
+    return Model(spec, family, config, precision, params, tokenizer, digest, time.perf_counter() - start)

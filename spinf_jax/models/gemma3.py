@@ -7,17 +7,20 @@ layers; GeGLU (tanh gelu); tied embeddings.
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
-import jax.numpy as jnp
 
 from spinf_jax.models.layers import (
     Rope,
     TreeBatch,
     apply_rope,
+    by_rows,
     embedding_scale,
     gated_mlp,
     gelu_tanh,
+    head_logits,
+    head_token_logits,
     rms_norm,
     tree_attention,
 )
@@ -110,34 +113,48 @@ def _norm(x, w, cfg: Config):
     return rms_norm(x, w, cfg.rms_norm_eps, plus_one=True)
 
 
-def _attention(x, w, batch: TreeBatch, cfg: Config, layer_type: str):
+def _qkv(x, positions, w, cfg: Config, rope: Rope):
+    """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden]."""
     t = x.shape[0]
-    q = _norm(linear(x, w["q"]).reshape(t, cfg.num_heads, cfg.head_dim), w["q_norm"], cfg)
-    k = _norm(linear(x, w["k"]).reshape(t, cfg.num_kv_heads, cfg.head_dim), w["k_norm"], cfg)
-    v = linear(x, w["v"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    sliding = layer_type == SLIDING
-    rope = cfg.rope_local if sliding else cfg.rope_global
-    q, k = apply_rope(q, batch.positions, rope), apply_rope(k, batch.positions, rope)
-    scale, window = cfg.query_pre_attn_scalar**-0.5, cfg.sliding_window if sliding else None
-    out = tree_attention(q, k, v, batch, scale=scale, window=window)
-    return linear(out.reshape(t, -1), w["o"])
+    h = _norm(x, w["input_norm"], cfg)
+    q = _norm(linear(h, w["q"]).reshape(t, cfg.num_heads, cfg.head_dim), w["q_norm"], cfg)
+    k = _norm(linear(h, w["k"]).reshape(t, cfg.num_kv_heads, cfg.head_dim), w["k_norm"], cfg)
+    v = linear(h, w["v"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(q, positions, rope), apply_rope(k, positions, rope), v
 
 
-def forward(params: dict, batch: TreeBatch, cfg: Config, precision: Precision) -> jax.Array:
+def _after_attention(x, attn, w, cfg: Config):
+    """Row-local: output projection, MLP and residuals."""
+    x = x + _norm(linear(attn.reshape(x.shape[0], -1), w["o"]), w["post_attn_norm"], cfg)
+    h = gated_mlp(_norm(x, w["pre_mlp_norm"], cfg), w["gate"], w["up"], w["down"], gelu_tanh)
+    return x + _norm(h, w["post_mlp_norm"], cfg)
+
+
+def forward(
+    params: dict, batch: TreeBatch, cfg: Config, precision: Precision, row_tile: int | None = None
+) -> jax.Array:
     """Final hidden states [T, hidden] for every token of the pass (logits come from `logits`)."""
     dtype = precision.activation_dtype
-    x = embed(batch.tokens, params["embed"], dtype) * embedding_scale(cfg.hidden_size, dtype)
+    x = by_rows(
+        lambda t: embed(t, params["embed"], dtype) * embedding_scale(cfg.hidden_size, dtype),
+        row_tile,
+        batch.tokens,
+    )
     for w, layer_type in zip(params["layers"], cfg.layer_types, strict=True):
-        h = _attention(_norm(x, w["input_norm"], cfg), w, batch, cfg, layer_type)
-        x = x + _norm(h, w["post_attn_norm"], cfg)
-        h = gated_mlp(_norm(x, w["pre_mlp_norm"], cfg), w["gate"], w["up"], w["down"], gelu_tanh)
-        x = x + _norm(h, w["post_mlp_norm"], cfg)
-    return _norm(x, params["final_norm"], cfg)
+        sliding = layer_type == SLIDING
+        rope = cfg.rope_local if sliding else cfg.rope_global
+        q, k, v = by_rows(partial(_qkv, w=w, cfg=cfg, rope=rope), row_tile, x, batch.positions)
+        scale, window = cfg.query_pre_attn_scalar**-0.5, cfg.sliding_window if sliding else None
+        attn = tree_attention(q, k, v, batch, scale=scale, window=window)
+        x = by_rows(partial(_after_attention, w=w, cfg=cfg), row_tile, x, attn)
+    return by_rows(lambda x: _norm(x, params["final_norm"], cfg), row_tile, x)
 
 
 def logits(params: dict, hidden: jax.Array, cfg: Config) -> jax.Array:
     """[N, hidden] → [N, vocab] f32 logits through the tied embedding, only for the rows asked for."""
-    out = linear(hidden, params["embed"], jnp.float32)
-    if cfg.final_logit_softcapping:
-        out = jnp.tanh(out / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
-    return out
+    return head_logits(hidden, params["embed"], cfg.final_logit_softcapping)
+
+
+def token_logits(params: dict, hidden: jax.Array, tokens: jax.Array, cfg: Config) -> jax.Array:
+    """[N, hidden], [N] token ids → [N] f32: each row's logit for its one token."""
+    return head_token_logits(hidden, params["embed"], tokens, cfg.final_logit_softcapping)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.tree_attention import blockwise
-from spinf_jax.quant import Weight, linear
+from spinf_jax.quant import Weight, embed, linear
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +65,22 @@ def tree_attention(q, k, v, batch: TreeBatch, *, scale: float, window: int | Non
     )
 
 
+def by_rows(fn, tile: int | None, *arrays):
+    """Apply a row-local fn to arrays with a leading [T] axis, `tile` rows at a time.
+
+    With a tile, every tile runs the same compiled loop body, so a row's bits never depend on how many rows
+    the pass has. XLA's CPU code generation does not promise that on its own: a fused RMSNorm gave different
+    bits for the same row in passes of 256 and 1024 tokens. Without a tile (None), fn sees all rows at once,
+    for backends whose programs are checked to be row-invariant.
+    """
+    if tile is None:
+        return fn(*arrays)
+    t = arrays[0].shape[0]
+    tiles = [a.reshape(t // tile, tile, *a.shape[1:]) for a in arrays]
+    out = jax.lax.map(lambda xs: fn(*xs), tiles)
+    return jax.tree.map(lambda o: o.reshape(t, *o.shape[2:]), out)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool) -> jax.Array:
     """RMSNorm computed in f32. Gemma scales by (1 + w) before casting back; Llama/Qwen cast back first
     and then scale by w. Matching where the cast happens keeps bf16 parity with the reference."""
@@ -109,6 +125,22 @@ def gated_mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, activation) 
 
 def gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
+
+
+def head_logits(hidden: jax.Array, head: Weight, softcap: float | None) -> jax.Array:
+    """[N, hidden] → [N, vocab] f32 logits through the LM head [vocab, hidden]."""
+    return _softcap(linear(hidden, head, jnp.float32), softcap)
+
+
+def head_token_logits(hidden: jax.Array, head: Weight, tokens: jax.Array, softcap: float | None) -> jax.Array:
+    """The logit of one chosen token per row: hidden [N, hidden], tokens [N] → [N] f32, without the
+    [N, vocab] matrix (a row-wise dot with the gathered head rows)."""
+    rows = embed(tokens, head, jnp.float32)
+    return _softcap(jnp.sum(hidden.astype(jnp.float32) * rows, axis=-1), softcap)
+
+
+def _softcap(logits, softcap):
+    return logits if not softcap else jnp.tanh(logits / softcap) * softcap
 
 
 def embedding_scale(hidden: int, dtype) -> jax.Array:

@@ -5,11 +5,21 @@ Llama (SmolLM2 among others): neither. RMSNorm scales by w after casting back; S
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
-import jax.numpy as jnp
 
-from spinf_jax.models.layers import Rope, TreeBatch, apply_rope, gated_mlp, rms_norm, tree_attention
+from spinf_jax.models.layers import (
+    Rope,
+    TreeBatch,
+    apply_rope,
+    by_rows,
+    gated_mlp,
+    head_logits,
+    head_token_logits,
+    rms_norm,
+    tree_attention,
+)
 from spinf_jax.models.params import Kind, Param
 from spinf_jax.quant import Precision, embed, linear
 
@@ -105,26 +115,44 @@ def _project(x, w, name: str, heads: int, cfg: Config):
     return y.reshape(x.shape[0], heads, cfg.head_dim)
 
 
-def _attention(x, w, batch: TreeBatch, cfg: Config):
-    q = _project(x, w, "q", cfg.num_heads, cfg)
-    k = _project(x, w, "k", cfg.num_kv_heads, cfg)
-    v = _project(x, w, "v", cfg.num_kv_heads, cfg)
+def _qkv(x, positions, w, cfg: Config):
+    """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden]."""
+    h = _norm(x, w["input_norm"], cfg)
+    q = _project(h, w, "q", cfg.num_heads, cfg)
+    k = _project(h, w, "k", cfg.num_kv_heads, cfg)
+    v = _project(h, w, "v", cfg.num_kv_heads, cfg)
     if cfg.qk_norm:
         q, k = _norm(q, w["q_norm"], cfg), _norm(k, w["k_norm"], cfg)
-    q, k = apply_rope(q, batch.positions, cfg.rope), apply_rope(k, batch.positions, cfg.rope)
-    out = tree_attention(q, k, v, batch, scale=cfg.head_dim**-0.5)
-    return linear(out.reshape(x.shape[0], -1), w["o"])
+    return apply_rope(q, positions, cfg.rope), apply_rope(k, positions, cfg.rope), v
 
 
-def forward(params: dict, batch: TreeBatch, cfg: Config, precision: Precision) -> jax.Array:
+def _after_attention(x, attn, w, cfg: Config):
+    """Row-local: output projection, MLP and residuals."""
+    x = x + linear(attn.reshape(x.shape[0], -1), w["o"])
+    return x + gated_mlp(_norm(x, w["post_attn_norm"], cfg), w["gate"], w["up"], w["down"], jax.nn.silu)
+
+
+def forward(
+    params: dict, batch: TreeBatch, cfg: Config, precision: Precision, row_tile: int | None = None
+) -> jax.Array:
     """Final hidden states [T, hidden] for every token of the pass (logits come from `logits`)."""
-    x = embed(batch.tokens, params["embed"], precision.activation_dtype)
+    x = by_rows(lambda t: embed(t, params["embed"], precision.activation_dtype), row_tile, batch.tokens)
     for w in params["layers"]:
-        x = x + _attention(_norm(x, w["input_norm"], cfg), w, batch, cfg)
-        x = x + gated_mlp(_norm(x, w["post_attn_norm"], cfg), w["gate"], w["up"], w["down"], jax.nn.silu)
-    return _norm(x, params["final_norm"], cfg)
+        q, k, v = by_rows(partial(_qkv, w=w, cfg=cfg), row_tile, x, batch.positions)
+        attn = tree_attention(q, k, v, batch, scale=cfg.head_dim**-0.5)
+        x = by_rows(partial(_after_attention, w=w, cfg=cfg), row_tile, x, attn)
+    return by_rows(lambda x: _norm(x, params["final_norm"], cfg), row_tile, x)
+
+
+def _head(params: dict, cfg: Config):
+    return params["embed"] if cfg.tie_embeddings else params["lm_head"]
 
 
 def logits(params: dict, hidden: jax.Array, cfg: Config) -> jax.Array:
     """[N, hidden] → [N, vocab] f32 logits, only for the rows asked for."""
-    return linear(hidden, params["embed"] if cfg.tie_embeddings else params["lm_head"], jnp.float32)
+    return head_logits(hidden, _head(params, cfg), None)
+
+
+def token_logits(params: dict, hidden: jax.Array, tokens: jax.Array, cfg: Config) -> jax.Array:
+    """[N, hidden], [N] token ids → [N] f32: each row's logit for its one token."""
+    return head_token_logits(hidden, _head(params, cfg), tokens, None)

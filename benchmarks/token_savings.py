@@ -1,0 +1,132 @@
+"""Tokens the engine processes vs a one-request-per-question server, on the seed job.
+
+The job (fixtures/jobs/seed_job.json): 24 articles of ~470 tokens, 56 two-option questions each. The engine
+reads each article once and branches every question off it; a one-request-per-question server reads
+BOS + article + question once per question. Scores are checked against plain full forwards of sampled
+questions. Prints a table and ends with one JSON line; --out writes the JSON too.
+
+    uv run python benchmarks/token_savings.py --model spinf/gemma-3-270m --precision fp32 --out FILE
+"""
+
+import argparse
+import json
+import platform
+import random
+import time
+from datetime import date
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from spinf_jax.engine import Engine
+from spinf_jax.models.layers import TreeBatch
+from spinf_jax.packer import Buckets, pack
+
+JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
+
+
+def request_for(job: dict) -> dict:
+    return {
+        "inputs": [
+            {"id": c["id"], "messages": [{"role": "user", "content": c["text"]}]} for c in job["contents"]
+        ],
+        "scoring": {
+            "queries": [
+                {"id": q["id"], "template": q["template"], "options": q["options"]} for q in job["questions"]
+            ]
+        },
+    }
+
+
+def plain_logprob(model, ids: list[int], option: list[int]) -> float:
+    seq = ids + option
+    hidden = model.hidden(TreeBatch.sequence(seq))
+    rows = np.arange(len(ids) - 1, len(seq) - 1)
+    lp, _ = model.logprobs(hidden[rows], np.asarray(option, np.int32)[:, None])
+    return float(np.sum(np.asarray(lp, np.float64)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="spinf/gemma-3-270m")
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--check", type=int, default=12, help="questions checked against plain forwards")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    job = json.loads(JOB.read_text())
+    engine = Engine.load(args.model, args.precision, buckets=Buckets((2048, 4096, 8192, 16384)))
+    tok = engine.model.tokenizer
+    request = request_for(job)
+
+    start = time.perf_counter()
+    response = engine.score(request)
+    first_call = time.perf_counter() - start
+    start = time.perf_counter()
+    again = engine.score(request)  # compiled programs and floors cached now
+    second_call = time.perf_counter() - start
+    assert again["results"] == response["results"], "two calls must give the same scores"
+
+    # What the engine actually ran, padding included.
+    contents = [tok.prefix() + tok.encode(c["text"]) for c in job["contents"]]
+    templates = [tok.encode(q["template"].replace("{?}", "")) for q in job["questions"]]
+    usage = response["usage"]["prompt_tokens_details"]
+    from spinf_jax.compiler import compile_request
+
+    compiled = compile_request(request, tok, engine.limits)
+    trees = engine.trees(compiled)[0]
+    padded = sum(p.size for p in pack(trees, engine.buckets))
+    per_question = sum(len(c) + len(t) for c in contents for t in templates)  # options are 1 token
+    engine_tokens = usage["content_tokens"] + usage["query_tokens"]
+
+    rng = random.Random(0)
+    diffs = []
+    for _ in range(args.check):
+        ci, qi = rng.randrange(len(contents)), rng.randrange(len(templates))
+        options = response["results"][ci]["queries"][qi]["combinations"][0]["options"]
+        for option in options:
+            expected = plain_logprob(engine.model, contents[ci] + templates[qi], tok.encode(option["text"]))
+            diffs.append(abs(expected - option["logprob"]))
+
+    result = {
+        "benchmark": "token_savings",
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()} {platform.processor() or ''} {jax.default_backend()} "
+        f"({jax.devices()[0].device_kind}), {len(jax.devices())} device(s)".strip(),
+        "model": args.model,
+        "precision": args.precision,
+        "contents": len(contents),
+        "questions_per_content": len(templates),
+        "mean_content_tokens": float(np.mean([len(c) for c in contents])),
+        "mean_question_tokens": float(np.mean([len(t) for t in templates])),
+        "one_request_per_question_tokens": per_question,
+        "engine_tokens": engine_tokens,
+        "engine_floor_tokens": usage["floor_tokens"],
+        "engine_tokens_padded": padded,
+        "ratio": per_question / engine_tokens,
+        "ratio_with_floor_and_padding": per_question / (padded + usage["floor_tokens"]),
+        "checked_questions": args.check,
+        "max_abs_logprob_diff_vs_plain_forward": max(diffs),
+        "first_call_seconds": first_call,
+        "second_call_seconds": second_call,
+    }
+    rows = [
+        ("one request per question (BOS + article + question)", per_question),
+        ("engine: trunk + branches", engine_tokens),
+        ("engine: passes as run (block padding included)", padded),
+        ("engine: floor trees (first call only; cached after)", usage["floor_tokens"]),
+    ]
+    for name, n in rows:
+        print(f"{name:<55} {n:>10,}")
+    print(f"{'saving (tokens / engine tokens)':<55} {result['ratio']:>10.2f}x")
+    print(
+        f"{'max |Δ logprob| vs plain forwards':<55} {result['max_abs_logprob_diff_vs_plain_forward']:>10.2e}"
+    )
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

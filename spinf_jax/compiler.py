@@ -1,0 +1,555 @@
+"""A scoring request body (SPEC section 1) → token ids, or a ScoringError naming the API's code and the field.
+
+Three steps: check the body's structure and expand every query into its filled templates (no tokenizer
+involved), tokenise every distinct string of the request in one batch, then check what needs tokens (lengths,
+option boundaries) while building the immutable CompiledRequest the engine reads. Knows nothing of the model
+beyond its tokenizer.
+"""
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ScoringError(Exception):
+    """A request the API refuses; `code`, `message` and `param` go to the client as they are."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+class Slot(StrEnum):
+    """The template's final slot: what the model is asked for there."""
+
+    SCORE = "{?}"
+    TEXT = "{*}"
+    NUMBER = "{n}"
+    AMOUNT = "{$}"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_content_tokens: int = 4096
+    # templates x combinations, counted per content (the scoring queries it asks for + its own queries)
+    max_questions_per_content: int = 10_000
+    max_template_tokens: int = 256  # a filled template, up to its slot
+    max_options: int = 1000
+    max_option_tokens: int = 5
+    max_combinations: int = 1000  # per query
+    max_placeholders: int = 5
+    max_inputs: int = 10_000
+    # Processed tokens per request. The compiler only refuses what must exceed it whatever the packing (one
+    # token per option per question per content), which also bounds its own tokenising work.
+    max_request_tokens: int = 2_000_000
+
+
+@dataclass(frozen=True)
+class Question:
+    """One query x one combination."""
+
+    query_id: str
+    values: dict[str, str]  # the combination's placeholder values ({} when none)
+    template_ids: tuple[int, ...]
+    options: tuple[str, ...]  # option texts as given
+    option_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Query:
+    id: str
+    slot: Slot
+    questions: tuple[Question, ...]  # one per combination, in order
+
+
+@dataclass(frozen=True)
+class Content:
+    input_id: str
+    content_ids: tuple[int, ...]  # tokens(content text), no BOS
+    queries: tuple[Query, ...]
+
+
+@dataclass(frozen=True)
+class CompiledRequest:
+    model: str | None
+    contents: tuple[Content, ...]
+    empty_floor: bool
+    pack_ids: tuple[str, ...]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# JSON shape checks. Optional fields treat null as absent, as OpenAI-style clients send it for "not given".
+
+
+def _invalid(param: str | None, message: str) -> ScoringError:
+    return ScoringError("invalid_request", message, param)
+
+
+def _check(value, kind: type, param: str | None, what: str):
+    """`value` if it has the JSON type `kind`, else invalid_request naming the field."""
+    if not isinstance(value, kind):
+        raise _invalid(param, f"{param or 'the request body'} must be {what}")
+    if kind is str:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800") would crash the tokenizer and the reply
+            raise _invalid(param, f"{param} is not valid Unicode text") from None
+    return value
+
+
+def _optional(obj: dict, key: str, kind: type, param: str, what: str, default=None):
+    value = obj.get(key)
+    return default if value is None else _check(value, kind, param, what)
+
+
+def _nonempty_list(value, param: str, what: str) -> list:
+    if not _check(value, list, param, f"a non-empty list of {what}"):
+        raise _invalid(param, f"{param} must be a non-empty list of {what}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Content
+
+
+def render_content(messages, param: str) -> str:
+    """The content's text: every message's text, joined with "\\n". Roles are ignored; no chat template."""
+    messages = _nonempty_list(messages, param, "messages")
+    return "\n".join(_message_text(m, f"{param}[{i}]") for i, m in enumerate(messages))
+
+
+def _message_text(message, param: str) -> str:
+    content = _check(message, dict, param, 'an object with "content"').get("content")
+    param += ".content"
+    if isinstance(content, str):
+        return _check(content, str, param, "a string")
+    parts = _check(content, list, param, "a string or a list of content parts")
+    return "\n".join(_part_text(part, f"{param}[{k}]") for k, part in enumerate(parts))
+
+
+def _part_text(part, param: str) -> str:
+    kind = _check(part, dict, param, 'an object with "type"').get("type")
+    if kind == "text":
+        return _check(part.get("text"), str, param + ".text", "a string")
+    _check(kind, str, param + ".type", 'a string such as "text"')
+    raise ScoringError(
+        "unsupported_content",
+        f"content parts of type {kind!r} are not supported: this model reads text only",
+        param,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Templates
+
+_TEMPLATE_TOKEN = re.compile(r"\{\{|\}\}|\{[^{}]*\}|[{}]")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SLOTS = {slot.value: slot for slot in Slot}
+
+
+def parse_template(
+    template: str, param: str, max_placeholders: int = Limits.max_placeholders
+) -> tuple[list[str | tuple[str]], Slot]:
+    """Literal text (str) and placeholders ((name,)) up to the slot, and the slot that ends the template."""
+    parts: list[str | tuple[str]] = []
+    literal, names, pos = [], set(), 0
+    for match in _TEMPLATE_TOKEN.finditer(template):
+        literal.append(template[pos : match.start()])
+        pos, token = match.end(), match.group()
+        if token in ("{{", "}}"):
+            literal.append(token[0])
+        elif token in ("{", "}"):
+            raise _bad_template(
+                param, f"unbalanced {token!r} at character {match.start()} (write {token * 2})"
+            )
+        elif token in _SLOTS:
+            if pos != len(template):
+                hint = " ({n} is the number slot: rename the placeholder)" if token == "{n}" else ""
+                raise _bad_template(param, f"exactly one slot, at the very end; found {token} earlier{hint}")
+            parts.append("".join(literal))
+            return [p for p in parts if p != ""], _SLOTS[token]
+        elif _NAME.fullmatch(token[1:-1]):
+            parts += ["".join(literal), (token[1:-1],)]
+            literal = []
+            names.add(token[1:-1])
+            if len(names) > max_placeholders:
+                raise _bad_template(param, f"at most {max_placeholders} distinct placeholders")
+        else:
+            raise _bad_template(param, f"{token} is not a placeholder: names are letters, digits and _")
+    raise _bad_template(param, "the template must end with its slot: {?}, {*}, {n} or {$}")
+
+
+def _bad_template(param: str, message: str) -> ScoringError:
+    return ScoringError("invalid_template", message, param)
+
+
+def _fill(parts: list[str | tuple[str]], values: dict[str, str]) -> str:
+    return "".join(p if isinstance(p, str) else values[p[0]] for p in parts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Queries: structure first, tokens later
+
+
+@dataclass
+class _Spec:
+    """A query that passed the structural checks, before tokenisation."""
+
+    id: str
+    slot: Slot
+    param: str  # where the query sits, e.g. "scoring.queries[2]"
+    combinations: list[dict[str, str]]
+    fills: list[str]  # the template filled with each combination, up to its slot
+    options: list[str]
+
+
+def _parse_queries(raw, param: str, limits: Limits, taken: set[str]) -> list[_Spec]:
+    """A list of queries; their ids must be new to `taken` and to each other (`taken` is updated)."""
+    specs = []
+    for j, query in enumerate(_check(raw, list, param, "a list of queries")):
+        spec = _parse_query(query, f"{param}[{j}]", limits)
+        if spec.id in taken:
+            raise _invalid(f"{param}[{j}].id", f"query id {spec.id!r} is used twice")
+        taken.add(spec.id)
+        specs.append(spec)
+    return specs
+
+
+def _parse_query(query, param: str, limits: Limits) -> _Spec:
+    query = _check(query, dict, param, 'an object with "id" and "template"')
+    query_id = _check(query.get("id"), str, param + ".id", "a non-empty string")
+    if not query_id:
+        raise _invalid(param + ".id", f"{param}.id must be a non-empty string")
+    template = _check(query.get("template"), str, param + ".template", "a string")
+    parts, slot = parse_template(template, param + ".template", limits.max_placeholders)
+    names = list(dict.fromkeys(p[0] for p in parts if isinstance(p, tuple)))
+    combinations = _combinations(query, names, param, limits)
+    options = _options(query.get("options"), slot, param + ".options", limits)
+    fills = [_fill(parts, values) for values in combinations]
+    return _Spec(query_id, slot, param, combinations, fills, options)
+
+
+def _combinations(query: dict, names: list[str], param: str, limits: Limits) -> list[dict[str, str]]:
+    """The query's placeholder values, one dict per combination in order, keys in the template's order."""
+    given, values = query.get("combinations"), query.get("values")
+    if values is not None:
+        for name in _check(values, dict, param + ".values", "an object {name: [values]}"):
+            if name not in names:
+                raise _unknown(f"{param}.values.{name}", f"the template has no placeholder {{{name}}}")
+        if given != "all":
+            raise _invalid(param + ".values", 'values go with "combinations": "all"')
+    if given is None:
+        if names:
+            raise _unknown(param + ".template", f"placeholder {{{names[0]}}} has no value: give combinations")
+        return [{}]
+    if given == "all":
+        return _grid(values, names, param, limits)
+    given = _nonempty_list(given, param + ".combinations", 'combinations (or "all")')
+    if len(given) > limits.max_combinations:
+        raise _too_many_combinations(param, len(given), limits)
+    return [_combination(c, names, f"{param}.combinations[{j}]") for j, c in enumerate(given)]
+
+
+def _combination(combination, names: list[str], param: str) -> dict[str, str]:
+    for name in _check(combination, dict, param, "an object {name: value}"):
+        if name not in names:
+            raise _unknown(f"{param}.{name}", f"the template has no placeholder {{{name}}}")
+    for name in names:
+        if name not in combination:
+            raise _unknown(param, f"no value for placeholder {{{name}}}")
+    return {name: _check(combination[name], str, f"{param}.{name}", "a string") for name in names}
+
+
+def _grid(values, names: list[str], param: str, limits: Limits) -> list[dict[str, str]]:
+    """combinations "all": itertools.product over the placeholders in the template's order."""
+    if values is None:
+        raise _invalid(param + ".values", 'combinations "all" needs values: {name: [values]}')
+    lists = []
+    for name in names:
+        if name not in values:
+            raise _unknown(param + ".values", f"no values for placeholder {{{name}}}")
+        p = f"{param}.values.{name}"
+        lists.append(
+            [
+                _check(v, str, f"{p}[{k}]", "a string")
+                for k, v in enumerate(_nonempty_list(values[name], p, "strings"))
+            ]
+        )
+    count = math.prod(map(len, lists))
+    if count > limits.max_combinations:
+        raise _too_many_combinations(param, count, limits)
+    return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*lists)]
+
+
+def _unknown(param: str, message: str) -> ScoringError:
+    return ScoringError("unknown_placeholder", message, param)
+
+
+def _too_many_combinations(param: str, count: int, limits: Limits) -> ScoringError:
+    return ScoringError(
+        "too_many_combinations",
+        f"{count} combinations; at most {limits.max_combinations} per query",
+        param + ".combinations",
+    )
+
+
+def _options(options, slot: Slot, param: str, limits: Limits) -> list[str]:
+    if slot is not Slot.SCORE:
+        if options is not None:
+            raise _invalid(param, f"options go with a {{?}} slot; a {slot.value} slot extracts its answer")
+        return []
+    if options is None:
+        raise _invalid(param, "a {?} template needs options")
+    options = _nonempty_list(options, param, "strings")
+    if len(options) > limits.max_options:
+        raise ScoringError(
+            "too_many_options", f"{len(options)} options; at most {limits.max_options} per query", param
+        )
+    seen: dict[str, str] = {}
+    for j, option in enumerate(options):
+        _check(option, str, f"{param}[{j}]", "a string")
+        if not option:
+            raise ScoringError("invalid_option", "an option must not be empty", f"{param}[{j}]")
+        if option.lower() in seen:
+            raise ScoringError(
+                "duplicate_option",
+                f"option {option!r} repeats {seen[option.lower()]!r} (options are compared ignoring case)",
+                f"{param}[{j}]",
+            )
+        seen[option.lower()] = option
+    return options
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass
+class _Input:
+    input_id: str
+    text: str
+    param: str  # its messages field
+    specs: list[_Spec]
+
+
+def _parse_inputs(body: dict, shared: list[_Spec], has_packs: bool, limits: Limits) -> list[_Input]:
+    if body.get("messages") is None and body.get("inputs") is None:
+        raise _invalid("messages", "give messages (one content) or inputs (several contents)")
+    if body.get("messages") is not None and body.get("inputs") is not None:
+        raise _invalid("inputs", "give messages (one content) or inputs (several contents), not both")
+    if body.get("messages") is not None:
+        if not shared and not has_packs:
+            raise _invalid("scoring.queries", "scoring.queries must not be empty")
+        inputs = [_Input("0", render_content(body["messages"], "messages"), "messages", shared)]
+        _check_questions(inputs[0], "scoring.queries", limits)
+        return inputs
+    raw = _nonempty_list(body["inputs"], "inputs", "inputs")
+    if len(raw) > limits.max_inputs:
+        raise ScoringError("too_many_inputs", f"{len(raw)} inputs; at most {limits.max_inputs}", "inputs")
+    by_id = {spec.id: spec for spec in shared}
+    inputs, input_ids = [], set()
+    for i, item in enumerate(raw):
+        param = f"inputs[{i}]"
+        item = _check(item, dict, param, 'an object with "messages"')
+        input_id = _optional(item, "id", str, param + ".id", "a non-empty string", default=str(i))
+        if not input_id or input_id in input_ids:
+            raise _invalid(param + ".id", f"input ids must be unique non-empty strings; {input_id!r} is not")
+        input_ids.add(input_id)
+        text = render_content(item.get("messages"), param + ".messages")
+        chosen = shared
+        if item.get("query_ids") is not None:
+            chosen = _choose(item["query_ids"], by_id, param + ".query_ids")
+        own = []
+        if item.get("queries") is not None:
+            own = _parse_queries(item["queries"], param + ".queries", limits, set(by_id))
+        if not chosen and not own and not has_packs:
+            raise _invalid(param, f"{param} has no queries: give scoring.queries or the input's own queries")
+        inputs.append(_Input(input_id, text, param + ".messages", chosen + own))
+        _check_questions(inputs[-1], param, limits)
+    return inputs
+
+
+def _choose(query_ids, by_id: dict[str, _Spec], param: str) -> list[_Spec]:
+    chosen = {}
+    for k, query_id in enumerate(_check(query_ids, list, param, "a list of query ids")):
+        _check(query_id, str, f"{param}[{k}]", "a string")
+        if query_id not in by_id:
+            raise ScoringError("unknown_query", f"scoring.queries has no query {query_id!r}", f"{param}[{k}]")
+        if query_id in chosen:
+            raise _invalid(f"{param}[{k}]", f"query id {query_id!r} is listed twice")
+        chosen[query_id] = by_id[query_id]
+    return list(chosen.values())
+
+
+def _check_questions(item: _Input, param: str, limits: Limits) -> None:
+    count = sum(len(spec.combinations) for spec in item.specs)
+    if count > limits.max_questions_per_content:
+        raise ScoringError(
+            "too_many_questions",
+            f"{count} questions (templates x combinations) for one content; at most "
+            f"{limits.max_questions_per_content}",
+            param,
+        )
+
+
+def _pack_ids(packs) -> tuple[str, ...]:
+    ids: list[str] = []
+    for i, pack in enumerate(_check(packs, list, "packs", 'a list of {"id": ...} objects')):
+        pack = _check(pack, dict, f"packs[{i}]", 'an object {"id": ...}')
+        pack_id = _check(pack.get("id"), str, f"packs[{i}].id", "a string")
+        if pack_id in ids:
+            raise _invalid(f"packs[{i}].id", f"pack {pack_id!r} is listed twice")
+        ids.append(pack_id)
+    return tuple(ids)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokens
+
+
+def _junction(filled: str) -> str:
+    """The end of a filled template that decides how options join it: from its last space after other text.
+
+    No token spans a space that follows other text: byte-level BPE pre-tokenizers split there, and
+    SentencePiece vocabularies hold no piece with a space after other characters. So filled + option
+    tokenises as the text before that space, then the rest + option, and checking the rest is exact.
+    """
+    for cut in range(len(filled) - 1, 0, -1):
+        if filled[cut] == " " and not filled[cut - 1].isspace():
+            return filled[cut:]
+    return filled
+
+
+def _contexts(junction: str, options: list[str]) -> list[str]:
+    """Per option, the text before it whose tokens decide whether it joins cleanly.
+
+    Where the option starts with a space and the template ends in text (the convention: "Answer:" + " yes"),
+    the joint itself is such a space and one character of context is enough. That keeps a 1,000-combination
+    grid with 1,000 options to a few thousand short strings to tokenise instead of a million, and still
+    catches a tokenizer that breaks the rule (a SentencePiece dummy prefix makes " yes" alone two tokens).
+    """
+    at_text = junction != "" and not junction[-1].isspace()
+    return [junction[-1] if at_text and option.startswith(" ") else junction for option in options]
+
+
+def _build_query(spec: _Spec, ids: dict[str, tuple[int, ...]], needs_text: bool, limits: Limits) -> Query:
+    """Token-level checks of one query (option lengths, template lengths, option boundaries) → Query."""
+    option_ids = tuple(ids[option] for option in spec.options)
+    for j, (option, tokens) in enumerate(zip(spec.options, option_ids, strict=True)):
+        if not tokens:
+            raise ScoringError(
+                "invalid_option", f"option {option!r} has no tokens", f"{spec.param}.options[{j}]"
+            )
+        if len(tokens) > limits.max_option_tokens:
+            raise ScoringError(
+                "option_too_long",
+                f"option {option!r} is {len(tokens)} tokens; at most {limits.max_option_tokens}",
+                f"{spec.param}.options[{j}]",
+            )
+    questions, checked = [], set()  # checked: junctions whose options all join cleanly
+    for values, filled in zip(spec.combinations, spec.fills, strict=True):
+        template_ids = ids[filled]
+        where = f" (values {values})" if values else ""
+        if len(template_ids) > limits.max_template_tokens:
+            raise ScoringError(
+                "template_too_long",
+                f"the filled template{where} is {len(template_ids)} tokens; "
+                f"at most {limits.max_template_tokens}",
+                spec.param + ".template",
+            )
+        # Without BOS, the floor (empty content + template) would have no token to read the option from.
+        if needs_text and not template_ids:
+            raise _bad_template(spec.param + ".template", f"this model needs text before the slot{where}")
+        junction = _junction(filled)
+        if junction not in checked:
+            contexts = _contexts(junction, spec.options)
+            for j, (option, tokens, context) in enumerate(
+                zip(spec.options, option_ids, contexts, strict=True)
+            ):
+                if ids[context + option] != ids[context] + tokens:
+                    raise ScoringError(
+                        "option_boundary",
+                        f"option {option!r} merges with the end of the template {filled[-20:]!r}{where}: "
+                        "their tokens together differ from their tokens apart. End the template without a "
+                        'space and start the option with one ("Answer:{?}" with " yes").',
+                        f"{spec.param}.options[{j}]",
+                    )
+            checked.add(junction)
+        questions.append(Question(spec.id, values, template_ids, tuple(spec.options), option_ids))
+    return Query(spec.id, spec.slot, tuple(questions))
+
+
+def _tokenize(tokenizer, inputs: list[_Input], specs: list[_Spec]) -> dict[str, tuple[int, ...]]:
+    """Tokens of every distinct string the request needs, in one batch (the tokenizer runs it in parallel)."""
+    wanted = dict.fromkeys(item.text for item in inputs)
+    for spec in specs:
+        wanted.update(dict.fromkeys(spec.fills))
+        wanted.update(dict.fromkeys(spec.options))
+        for junction in dict.fromkeys(map(_junction, spec.fills)):
+            for context, option in zip(_contexts(junction, spec.options), spec.options, strict=True):
+                wanted[context] = wanted[context + option] = None
+    texts = list(wanted)
+    return dict(zip(texts, map(tuple, tokenizer.encode_batch(texts)), strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def compile_request(body: dict, tokenizer, limits: Limits = Limits()) -> CompiledRequest:
+    """Check a decoded scoring request against SPEC section 1 and tokenise it; raises ScoringError."""
+    body = _check(body, dict, None, "a JSON object")
+    model = _optional(body, "model", str, "model", "a string")
+    pack_ids = _pack_ids(body["packs"]) if body.get("packs") is not None else ()
+    scoring = body.get("scoring")
+    if scoring is None and not pack_ids:
+        raise _invalid("scoring", 'a scoring block is required: {"queries": [...]}')
+    scoring = _optional(body, "scoring", dict, "scoring", "an object", default={})
+    empty_floor = _optional(
+        scoring, "empty_floor", bool, "scoring.empty_floor", "true or false", default=True
+    )
+    shared = _parse_queries(
+        _optional(scoring, "queries", list, "scoring.queries", "a list", []), "scoring.queries", limits, set()
+    )
+    inputs = _parse_inputs(body, shared, bool(pack_ids), limits)
+
+    least = sum(len(s.combinations) * max(1, len(s.options)) for item in inputs for s in item.specs)
+    if least > limits.max_request_tokens:
+        raise ScoringError(
+            "too_many_tokens",
+            f"the request needs at least {least} processed tokens (an option per question per content); "
+            f"the limit is {limits.max_request_tokens}",
+        )
+    # A scoring query that no input asks for is checked for structure but never tokenised.
+    used = list({id(spec): spec for item in inputs for spec in item.specs}.values())
+    ids = _tokenize(tokenizer, inputs, used)
+    for item in inputs:
+        if len(ids[item.text]) > limits.max_content_tokens:
+            raise ScoringError(
+                "content_too_long",
+                f"the content is {len(ids[item.text])} tokens; at most {limits.max_content_tokens}",
+                item.param,
+            )
+    needs_text = not tokenizer.prefix()
+    queries = {id(spec): _build_query(spec, ids, needs_text, limits) for spec in used}
+
+    # Extraction slots ({*}, {n}, {$}) are parsed and validated above but the engine does not extract yet.
+    # This is the one place that refuses them: delete it when extraction lands.
+    for spec in shared + [spec for item in inputs for spec in item.specs]:
+        if spec.slot is not Slot.SCORE:
+            raise ScoringError(
+                "not_supported",
+                f"extraction slots ({spec.slot.value}) are not supported yet; use a {{?}} slot with options",
+                spec.param + ".template",
+                status=501,
+            )
+
+    contents = tuple(
+        Content(item.input_id, ids[item.text], tuple(queries[id(spec)] for spec in item.specs))
+        for item in inputs
+    )
+    return CompiledRequest(model, contents, empty_floor, pack_ids)

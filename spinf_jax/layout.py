@@ -1,0 +1,102 @@
+"""Token trees: one read of a content, a branch per question, a sub-branch per option prefix.
+
+A tree is laid out depth-first: the trunk (BOS + content), then each question's filled template, each
+followed by its option trie. Token positions continue from the parent (a branch token's position is its
+depth), and each token's span covers its subtree, which is all the attention mask needs (TreeBatch).
+
+An option's log-probability is the sum of reads: log P(o1) at the template's last token, then
+log P(o_{j+1}) at the trie node of o_1..o_j. The trie holds each option's tokens except its last, shared
+between options with a common prefix (" New York" and " New Jersey" share " New").
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class QuestionKey:
+    """What a question's scores depend on besides the content: the floor cache is keyed by it."""
+
+    template_ids: tuple[int, ...]
+    option_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class Tree:
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    span_end: list[int] = field(default_factory=list)  # relative to the tree's first token
+    read_rows: list[int] = field(default_factory=list)  # rows whose next-token distribution is read
+    targets: list[tuple[int, int]] = field(default_factory=list)  # (index into read_rows, token id)
+    options: list[list[list[int]]] = field(default_factory=list)  # [question][option] → target indices
+    trunk_tokens: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def _push(self, token: int, position: int) -> int:
+        self.tokens.append(token)
+        self.positions.append(position)
+        self.span_end.append(0)  # set when the token's subtree is complete
+        return len(self.tokens) - 1
+
+
+def build_tree(prefix: list[int], content_ids: list[int], questions: list[QuestionKey]) -> Tree:
+    """The tree of one content (or, with empty content, of the floor) with its questions, in order."""
+    tree = Tree()
+    for token in [*prefix, *content_ids]:
+        tree._push(token, len(tree.tokens))
+    tree.trunk_tokens = len(tree.tokens)
+    reads: dict[int, int] = {}  # row → read index
+    target_index: dict[tuple[int, int], int] = {}
+
+    def read(row: int, token: int) -> int:
+        if row not in reads:
+            reads[row] = len(tree.read_rows)
+            tree.read_rows.append(row)
+        key = (reads[row], token)
+        if key not in target_index:
+            target_index[key] = len(tree.targets)
+            tree.targets.append(key)
+        return target_index[key]
+
+    for q in questions:
+        start = len(tree.tokens)
+        depth = tree.trunk_tokens
+        for token in q.template_ids:
+            tree._push(token, depth)
+            depth += 1
+        slot_row = len(tree.tokens) - 1 if q.template_ids else tree.trunk_tokens - 1
+        if slot_row < 0:
+            raise ValueError("nothing to read the options after: empty content and template, and no BOS")
+        _add_option_trie(tree, q.option_ids, slot_row, depth, read)
+        # Template tokens are one chain; its span (and the trie below it) ends here.
+        for row in range(start, start + len(q.template_ids)):
+            tree.span_end[row] = len(tree.tokens)
+    for row in range(tree.trunk_tokens):
+        tree.span_end[row] = len(tree.tokens)
+    return tree
+
+
+def _add_option_trie(tree: Tree, option_ids, slot_row: int, depth: int, read) -> None:
+    """Lay out the trie of option prefixes depth-first below slot_row and record every option's reads."""
+    nodes: dict[tuple[int, ...], int] = {(): slot_row}  # option prefix → its row
+    order: list[tuple[int, ...]] = []
+    for ids in option_ids:
+        for j in range(1, len(ids)):
+            if ids[:j] not in nodes:
+                nodes[ids[:j]] = -1
+                order.append(ids[:j])
+    # Depth-first: sort prefixes so each is followed by its extensions (ties keep first appearance).
+    first_seen = {p: i for i, p in enumerate(order)}
+    order.sort(key=lambda p: tuple(first_seen[p[:k]] for k in range(1, len(p) + 1)))
+    rows_by_prefix = {}
+    for prefix in order:
+        rows_by_prefix[prefix] = tree._push(prefix[-1], depth + len(prefix) - 1)
+        nodes[prefix] = rows_by_prefix[prefix]
+    # Spans: a node's subtree is every later node that extends it (contiguous thanks to the order).
+    for i, prefix in enumerate(order):
+        end = i + 1
+        while end < len(order) and order[end][: len(prefix)] == prefix:
+            end += 1
+        tree.span_end[rows_by_prefix[prefix]] = rows_by_prefix[order[end - 1]] + 1
+    tree.options.append([[read(nodes[ids[:j]], ids[j]) for j in range(len(ids))] for ids in option_ids])

@@ -1,0 +1,160 @@
+"""Packing token trees into passes of a few fixed bucket shapes.
+
+One compiled program serves each bucket size. Every tree starts on an attention-block boundary, so its
+results do not depend on where it lands or what shares its pass (see TreeBatch). Reads (rows whose
+next-token distribution is needed) and targets (token log-probs) have fixed per-bucket capacities too.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from spinf_jax.layout import QuestionKey, Tree, build_tree
+
+READ_CHUNK = 128
+# The CPU path runs row-local work as loops over 128-row tiles (models.layers.by_rows). XLA inlines a loop
+# that runs once, and the inlined code rounds differently; two tiles at least keep every bucket a loop.
+MIN_BUCKET = 256
+
+
+@dataclass(frozen=True)
+class Buckets:
+    sizes: tuple[int, ...] = (2048, 4096, 8192, 16384)
+    block: int = 128
+
+    def __post_init__(self):
+        if any(s % self.block or s % READ_CHUNK for s in self.sizes) or list(self.sizes) != sorted(
+            self.sizes
+        ):
+            raise ValueError(f"bucket sizes must be ascending multiples of the block size and {READ_CHUNK}")
+        if self.sizes[0] < MIN_BUCKET:
+            raise ValueError(f"the smallest bucket is {MIN_BUCKET} tokens")
+
+    def max_reads(self, size: int) -> int:
+        # Each read costs a full-vocabulary log-softmax; typical trees read once per ~20 tokens. Reads run in
+        # chunks of READ_CHUNK rows, the same GEMM shape in every bucket, so a row's result never depends on
+        # the bucket (XLA's GEMM rows are not invariant across row counts below 128).
+        return -(-max(2 * READ_CHUNK, size // 4) // READ_CHUNK) * READ_CHUNK
+
+    def max_targets(self, size: int) -> int:
+        return size
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1]
+
+    def aligned(self, tokens: int) -> int:
+        return -(-tokens // self.block) * self.block
+
+    def fits(self, size: int, tokens: int, reads: int, targets: int) -> bool:
+        return tokens <= size and reads <= self.max_reads(size) and targets <= self.max_targets(size)
+
+
+@dataclass
+class Pass:
+    size: int
+    tree_ids: list[int]  # which trees, in layout order
+    tokens: np.ndarray  # [size]
+    positions: np.ndarray  # [size]
+    span_end: np.ndarray  # [size]
+    tree_start_block: np.ndarray  # [size // block]
+    read_rows: np.ndarray  # [max_reads] rows of the pass (padding reads row 0)
+    target_read: np.ndarray  # [max_targets] index into read_rows
+    target_token: np.ndarray  # [max_targets]
+    target_offset: list[int]  # per tree: where its targets start in target_read / target_token
+
+
+def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int]:
+    return buckets.aligned(len(tree)), len(tree.read_rows), len(tree.targets)
+
+
+def content_trees(
+    prefix: list[int], content_ids: list[int], questions: list[QuestionKey], buckets: Buckets
+) -> list[tuple[Tree, int]]:
+    """The trees of one content: usually one; more (each with the trunk) when its questions overflow the
+    largest bucket. Returns (tree, index of its first question). Depends on the content alone."""
+    trunk = buckets.aligned(len(prefix) + len(content_ids))
+    groups, current, tokens, reads, targets = [], [], 0, 0, 0
+    for q in questions:
+        nodes = len({ids[:j] for ids in q.option_ids for j in range(1, len(ids))})
+        q_tokens, q_reads = len(q.template_ids) + nodes, 1 + nodes
+        q_targets = sum(len(ids) for ids in q.option_ids)
+        if current and not buckets.fits(
+            buckets.largest,
+            trunk + buckets.aligned(tokens + q_tokens),
+            reads + q_reads,
+            targets + q_targets,
+        ):
+            groups.append(current)
+            current, tokens, reads, targets = [], 0, 0, 0
+        current.append(q)
+        tokens, reads, targets = tokens + q_tokens, reads + q_reads, targets + q_targets
+    groups.append(current)
+    out, first = [], 0
+    for group in groups:
+        tree = build_tree(prefix, content_ids, group)
+        if not buckets.fits(buckets.largest, *_cost(tree, buckets)):
+            raise ValueError(
+                f"a content with one question needs {len(tree)} tokens; largest bucket is {buckets.largest}"
+            )
+        out.append((tree, first))
+        first += len(group)
+    return out
+
+
+def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
+    """Greedy in order: a tree that does not fit the current pass's remainder starts the next pass."""
+    passes, current, used = [], [], (0, 0, 0)
+    for i, tree in enumerate(trees):
+        cost = _cost(tree, buckets)
+        total = tuple(a + b for a, b in zip(used, cost, strict=True))
+        if current and not buckets.fits(buckets.largest, *total):
+            passes.append(_lay_out(current, trees, used, buckets))
+            current, total = [], cost
+        current.append(i)
+        used = total
+    if current:
+        passes.append(_lay_out(current, trees, used, buckets))
+    return passes
+
+
+def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int], buckets: Buckets) -> Pass:
+    size = next(s for s in buckets.sizes if buckets.fits(s, *used))
+    block = buckets.block
+    tokens = np.zeros(size, np.int32)
+    positions = np.zeros(size, np.int32)
+    span_end = np.arange(1, size + 1, dtype=np.int32)  # padding sees only itself
+    tree_start_block = np.arange(size // block, dtype=np.int32)
+    read_rows = np.zeros(buckets.max_reads(size), np.int32)
+    target_read = np.zeros(buckets.max_targets(size), np.int32)
+    target_token = np.zeros(buckets.max_targets(size), np.int32)
+    offset, n_reads, n_targets, target_offset = 0, 0, 0, []
+    for i in tree_ids:
+        tree = trees[i]
+        n = len(tree)
+        tokens[offset : offset + n] = tree.tokens
+        positions[offset : offset + n] = tree.positions
+        span_end[offset : offset + n] = np.asarray(tree.span_end) + offset
+        first, end = offset // block, buckets.aligned(offset + n) // block
+        tree_start_block[first:end] = first
+        read_rows[n_reads : n_reads + len(tree.read_rows)] = np.asarray(tree.read_rows, np.int32) + offset
+        if tree.targets:
+            reads, toks = zip(*tree.targets, strict=True)
+            target_read[n_targets : n_targets + len(reads)] = np.asarray(reads) + n_reads
+            target_token[n_targets : n_targets + len(toks)] = toks
+        target_offset.append(n_targets)
+        offset += buckets.aligned(n)
+        n_reads += len(tree.read_rows)
+        n_targets += len(tree.targets)
+    return Pass(
+        size,
+        tree_ids,
+        tokens,
+        positions,
+        span_end,
+        tree_start_block,
+        read_rows,
+        target_read,
+        target_token,
+        target_offset,
+    )

@@ -1,0 +1,172 @@
+"""The scoring engine end to end on Gemma 3 270M: the SPEC's example, equivalence, invariance, the floor."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from spinf_jax.compiler import ScoringError
+from spinf_jax.engine import Engine
+from spinf_jax.models.layers import TreeBatch
+from spinf_jax.packer import Buckets
+
+SPEC_EXAMPLE = {
+    "model": "spinf/gemma-3-270m",
+    "messages": [
+        {"role": "user", "content": "Customer support message:\nI was charged twice for September."}
+    ],
+    "scoring": {
+        "queries": [
+            {
+                "id": "topic",
+                "template": "\n\nTopic (billing, technical, account, shipping, or cancellation):{?}",
+                "options": [" billing", " technical", " account", " shipping", " cancellation"],
+            },
+            {
+                "id": "refund",
+                "template": "\n\nIs the customer asking for a refund?\nAnswer:{?}",
+                "options": [" yes", " no"],
+            },
+            {
+                "id": "sentiment_about",
+                "template": "\n\nIs the message {tone} about {subject}?\nAnswer:{?}",
+                "options": [" yes", " no"],
+                "combinations": "all",
+                "values": {"tone": ["positive", "negative"], "subject": ["the product", "the support"]},
+            },
+        ],
+        "empty_floor": True,
+    },
+}
+OTHER_TEXTS = [
+    "Review: the kettle boils fast but the lid broke after a week. Two stars.",
+    "The city council approved the new cycle lanes on Thursday after a long debate about parking.",
+    "Hello, my parcel was marked delivered yesterday but it never arrived. Order 55120.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load("spinf/gemma-3-270m", "fp32", buckets=Buckets((256, 512, 1024), block=64))
+
+
+def _options(response, input_index, query_id, combination=0):
+    queries = {q["id"]: q for q in response["results"][input_index]["queries"]}
+    return queries[query_id]["combinations"][combination]
+
+
+def test_spec_example_end_to_end(engine):
+    r = engine.score(SPEC_EXAMPLE)
+    assert r["object"] == "score" and r["id"].startswith("score-")
+    assert r["system_fingerprint"].startswith("fp_") and r["model"] == "spinf/gemma-3-270m"
+    [result] = r["results"]
+    assert result["input_id"] == "0"
+    assert [q["id"] for q in result["queries"]] == ["topic", "refund", "sentiment_about"]
+    combos = result["queries"][2]["combinations"]
+    assert [c["values"] for c in combos] == [
+        {"tone": t, "subject": s} for t in ("positive", "negative") for s in ("the product", "the support")
+    ]
+    for query in result["queries"]:
+        for combo in query["combinations"]:
+            lps = np.array([o["logprob"] for o in combo["options"]])
+            assert np.all(lps < 0)
+            assert sum(o["p"] for o in combo["options"]) == pytest.approx(1.0)
+            assert sum(o["floor_p"] for o in combo["options"]) == pytest.approx(1.0)
+            assert combo["residual"] == pytest.approx(1 - np.exp(lps).sum())
+            assert 0 <= combo["floor_residual"] <= 1
+    topic = _options(r, 0, "topic")
+    assert max(topic["options"], key=lambda o: o["p"])["text"] == " billing"
+    usage = r["usage"]
+    details = usage["prompt_tokens_details"]
+    assert details["content_tokens"] == 1 + len(
+        engine.model.tokenizer.encode(SPEC_EXAMPLE["messages"][0]["content"])
+    )
+    assert details["query_tokens"] > 0 and details["floor_tokens"] > 0
+    assert usage["prompt_tokens"] == sum(details.values())
+    for w in r["warnings"]:
+        assert w["code"] == "low_option_mass" and w["input_id"] == "0"
+
+
+def test_scores_equal_plain_forwards(engine):
+    """(a) every option's log-prob equals a plain forward of BOS + content + template + option."""
+    r = engine.score(SPEC_EXAMPLE)
+    tok, model = engine.model.tokenizer, engine.model
+    content = tok.encode(SPEC_EXAMPLE["messages"][0]["content"])
+    for query in SPEC_EXAMPLE["scoring"]["queries"][:2]:
+        ids = tok.prefix() + content + tok.encode(query["template"].replace("{?}", ""))
+        for option in _options(r, 0, query["id"])["options"]:
+            option_ids = tok.encode(option["text"])
+            seq = ids + option_ids
+            hidden = model.hidden(TreeBatch.sequence(seq))
+            rows = np.arange(len(ids) - 1, len(seq) - 1)
+            lp, _ = model.logprobs(hidden[rows], np.asarray(option_ids, np.int32)[:, None])
+            assert option["logprob"] == pytest.approx(float(np.sum(lp)), abs=2e-4)
+
+
+def _many_inputs(position: int) -> dict:
+    body = copy.deepcopy(SPEC_EXAMPLE)
+    messages = body.pop("messages")
+    inputs = [
+        {"id": f"other{i}", "messages": [{"role": "user", "content": t}]} for i, t in enumerate(OTHER_TEXTS)
+    ]
+    inputs.insert(position, {"id": "target", "messages": messages})
+    body["inputs"] = inputs
+    return body
+
+
+def test_content_scores_bit_identical_alone_packed_other_bucket_and_calls(engine):
+    """(b) a content's scores do not depend on its neighbours, its position, the bucket, or the call."""
+    alone = engine.score(SPEC_EXAMPLE)["results"][0]["queries"]
+    for position in (0, 2, 3):
+        r = engine.score(_many_inputs(position))
+        [target] = [x for x in r["results"] if x["input_id"] == "target"]
+        assert target["queries"] == alone
+    other_buckets = Engine(engine.model, Buckets((1024, 2048), block=64))
+    assert other_buckets.score(SPEC_EXAMPLE)["results"][0]["queries"] == alone
+    assert engine.score(SPEC_EXAMPLE)["results"][0]["queries"] == alone
+
+
+def test_floor_equals_scoring_empty_content(engine):
+    """(c) the floor is the same question scored on empty content."""
+    body = copy.deepcopy(SPEC_EXAMPLE)
+    refund = body["scoring"]["queries"][1]
+    floored = _options(engine.score(body), 0, "sentiment_about", 2)
+    empty = {
+        "messages": [{"role": "user", "content": ""}],
+        "scoring": {"queries": [refund], "empty_floor": False},
+    }
+    on_empty = _options(engine.score(empty), 0, "refund")
+    with_floor = _options(engine.score({**body, "scoring": {"queries": [refund]}}), 0, "refund")
+    # A lone question on empty content is exactly the floor's tree: the same bits.
+    assert [o["floor_p"] for o in with_floor["options"]] == [o["p"] for o in on_empty["options"]]
+    assert with_floor["floor_residual"] == on_empty["residual"]
+    assert "floor_p" in floored["options"][0]
+
+
+def test_floor_skipped_when_asked(engine):
+    body = copy.deepcopy(SPEC_EXAMPLE)
+    body["scoring"]["empty_floor"] = False
+    r = engine.score(body)
+    assert r["usage"]["prompt_tokens_details"]["floor_tokens"] == 0
+    combo = _options(r, 0, "refund")
+    assert "floor_residual" not in combo and "floor_p" not in combo["options"][0]
+
+
+def test_floors_are_cached_across_calls():
+    engine = Engine.load("spinf/smollm2-135m-instruct", "fp32", buckets=Buckets((256, 512), block=64))
+    first = engine.score(SPEC_EXAMPLE)
+    second = engine.score(SPEC_EXAMPLE)
+    assert first["usage"]["prompt_tokens_details"]["floor_tokens"] > 0
+    assert second["usage"]["prompt_tokens_details"]["floor_tokens"] == 0
+    assert second["results"] == first["results"]
+
+
+def test_unknown_pack_and_extraction_are_clear_errors(engine):
+    with pytest.raises(ScoringError) as e:
+        engine.score({**SPEC_EXAMPLE, "packs": [{"id": "spinf/moderation"}]})
+    assert e.value.code == "unknown_pack"
+    body = copy.deepcopy(SPEC_EXAMPLE)
+    body["scoring"]["queries"].append({"id": "month", "template": '\n\nQ: Which month?\nA: "{*}'})
+    with pytest.raises(ScoringError) as e:
+        engine.score(body)
+    assert e.value.code == "not_supported"

@@ -10,7 +10,7 @@ questions. Prints a table and ends with one JSON line; --out writes the JSON too
 
 import argparse
 import json
-import platform
+import os
 import random
 import time
 from datetime import date
@@ -47,6 +47,13 @@ def plain_logprob(model, ids: list[int], option: list[int]) -> float:
     return float(np.sum(np.asarray(lp, np.float64)))
 
 
+def machine() -> str:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    devices = jax.devices()
+    return f"{jax.default_backend()}: {devices[0].device_kind} x{len(devices)}; {cpu}, {os.cpu_count()} cores"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="spinf/gemma-3-270m")
@@ -60,6 +67,8 @@ def main() -> None:
     tok = engine.model.tokenizer
     request = request_for(job)
 
+    plan = engine.plan(request)  # what the first call runs: content trees, then floor trees
+    passes = pack(plan.trees, engine.buckets)
     start = time.perf_counter()
     response = engine.score(request)
     first_call = time.perf_counter() - start
@@ -72,11 +81,7 @@ def main() -> None:
     contents = [tok.prefix() + tok.encode(c["text"]) for c in job["contents"]]
     templates = [tok.encode(q["template"].replace("{?}", "")) for q in job["questions"]]
     usage = response["usage"]["prompt_tokens_details"]
-    from spinf_jax.compiler import compile_request
-
-    compiled = compile_request(request, tok, engine.limits)
-    trees = engine.trees(compiled)[0]
-    padded = sum(p.size for p in pack(trees, engine.buckets))
+    padded = sum(p.size for p in passes)
     per_question = sum(len(c) + len(t) for c in contents for t in templates)  # options are 1 token
     engine_tokens = usage["content_tokens"] + usage["query_tokens"]
 
@@ -92,8 +97,7 @@ def main() -> None:
     result = {
         "benchmark": "token_savings",
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {jax.default_backend()} "
-        f"({jax.devices()[0].device_kind}), {len(jax.devices())} device(s)".strip(),
+        "machine": machine(),
         "model": args.model,
         "precision": args.precision,
         "contents": len(contents),
@@ -105,7 +109,8 @@ def main() -> None:
         "engine_floor_tokens": usage["floor_tokens"],
         "engine_tokens_padded": padded,
         "ratio": per_question / engine_tokens,
-        "ratio_with_floor_and_padding": per_question / (padded + usage["floor_tokens"]),
+        "passes": [p.size for p in passes],
+        "ratio_first_call_as_run": per_question / padded,
         "checked_questions": args.check,
         "max_abs_logprob_diff_vs_plain_forward": max(diffs),
         "first_call_seconds": first_call,
@@ -114,12 +119,14 @@ def main() -> None:
     rows = [
         ("one request per question (BOS + article + question)", per_question),
         ("engine: trunk + branches", engine_tokens),
-        ("engine: passes as run (block padding included)", padded),
         ("engine: floor trees (first call only; cached after)", usage["floor_tokens"]),
+        ("engine: first call's passes as run (padding included)", padded),
     ]
     for name, n in rows:
         print(f"{name:<55} {n:>10,}")
-    print(f"{'saving (tokens / engine tokens)':<55} {result['ratio']:>10.2f}x")
+    print(f"{'saving: one-per-question tokens / engine tokens':<55} {result['ratio']:>10.2f}x")
+    first = result["ratio_first_call_as_run"]
+    print(f"{'saving on the first call as run (floors, padding)':<55} {first:>10.2f}x")
     print(
         f"{'max |Δ logprob| vs plain forwards':<55} {result['max_abs_logprob_diff_vs_plain_forward']:>10.2e}"
     )

@@ -1,6 +1,7 @@
 """`spinf-jax` command line."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,25 @@ def _parity(args) -> int:
     return 0 if result.ok else 1
 
 
+def _serve(args) -> int:
+    import uvicorn
+
+    from spinf_jax.loader import DEFAULT_MODEL
+    from spinf_jax.server.app import Settings, create_app
+
+    settings = Settings(
+        model=args.model or DEFAULT_MODEL,
+        precision=args.precision,
+        buckets=tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None,
+        api_key=args.api_key or os.environ.get("SPINF_API_KEY") or None,
+        max_queue=args.max_queue,
+        max_delay_ms=args.max_delay_ms,
+        served_names=tuple(args.served_model_name),
+    )
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spinf-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all", action="store_true", help="every fixture in fixtures/manifest.json")
     p.add_argument("--only", help="with --all: only manifest entries whose name contains this")
     p.set_defaults(run=_parity)
+
+    p = sub.add_parser("serve", help="serve the scoring API (/v1/score, /v1/chat/completions, /v1/models)")
+    p.add_argument(
+        "model", nargs="?", help="built-in name, folder, .gguf file or Hub id (default: Gemma 3 270M)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp8", "int8"])
+    p.add_argument("--api-key", help="require this key (Authorization: Bearer); default: $SPINF_API_KEY")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 429")
+    p.add_argument("--max-delay-ms", type=float, default=5.0, help="longest wait for company in a pass")
+    p.add_argument("--buckets", help="pass sizes in tokens, comma-separated (default by backend)")
+    p.add_argument(
+        "--served-model-name", action="append", default=[], help="another name the model answers to"
+    )
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(run=_serve)
 
     args = parser.parse_args(argv)
     return args.run(args)

@@ -9,6 +9,7 @@ Library use (what the server calls, and what a notebook can call directly):
 
 import hashlib
 import math
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -27,7 +28,6 @@ from spinf_jax.packer import READ_CHUNK, Buckets, Pass, content_trees, pack
 
 ENGINE_VERSION = "1"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
 LOW_OPTION_MASS = 0.05
-MAX_PROCESSED_TOKENS = 2_000_000
 
 
 def _score_pass(params, batch: TreeBatch, read_rows, target_read, target_token, *, model: Model):
@@ -55,6 +55,17 @@ class Scored:
         return np.array(
             [float(np.sum(self.logprobs[idx], dtype=np.float64)) for idx in self.tree.options[question]]
         )
+
+
+@dataclass
+class Plan:
+    """A compiled request and the trees it needs scored."""
+
+    request: CompiledRequest
+    trees: list[Tree]  # the contents' trees, then one floor tree per floor not cached
+    owners: list[int]  # for each content tree, the index of its content
+    floor_keys: list[QuestionKey]  # for each floor tree, its question
+    floors: dict[QuestionKey, np.ndarray]  # floors found in the cache
 
 
 class Engine:
@@ -86,6 +97,8 @@ class Engine:
         )
         self._floor_cache: OrderedDict[QuestionKey, np.ndarray] = OrderedDict()
         self._floor_cache_size = floor_cache
+        self._floor_lock = threading.Lock()  # plans are made on request threads, floors stored by the runner
+        self.on_pass = None  # optional callback(bucket size, seconds) after each pass, for metrics
         self._run = jax.jit(partial(_score_pass, model=model))
 
     @classmethod
@@ -110,7 +123,10 @@ class Engine:
         """Pack trees into passes, run them, and hand back each tree's target log-probs."""
         out: list[Scored | None] = [None] * len(trees)
         for p in pack(trees, self.buckets):
+            start = time.perf_counter()
             logprobs = self._run_pass(p)
+            if self.on_pass:
+                self.on_pass(p.size, time.perf_counter() - start)
             for tree_id, offset in zip(p.tree_ids, p.target_offset, strict=True):
                 tree = trees[tree_id]
                 out[tree_id] = Scored(tree, logprobs[offset : offset + len(tree.targets)])
@@ -118,6 +134,14 @@ class Engine:
 
     def score(self, body: dict) -> dict:
         """A scoring request (SPEC section 1) → the scoring response (section 2)."""
+        plan = self.plan(body)
+        return self.finish(plan, self.score_trees(plan.trees))
+
+    def plan(self, body: dict) -> "Plan":
+        """Compile a request and lay out every tree it needs: its contents', then floors not yet cached.
+
+        The trees of several plans can share passes (the server batches concurrent requests that way);
+        `finish` turns a plan's scored trees into the response."""
         if self.model.tokenizer is None:
             raise ValueError("scoring text needs a model with a tokenizer (score_trees works on token ids)")
         request = compile_request(body, self.model.tokenizer, self.limits)
@@ -125,7 +149,26 @@ class Engine:
             raise ScoringError(
                 "unknown_pack", f"no prompt pack {request.pack_ids[0]!r} is loaded", "packs[0].id"
             )
-        return self._respond(request, *self._evaluate(request))
+        trees, owners = self.trees(request)
+        floors, missing = {}, []
+        if request.empty_floor:
+            wanted = dict.fromkeys(
+                _key(q) for content in request.contents for query in content.queries for q in query.questions
+            )
+            with self._floor_lock:
+                floors = {k: self._floor_cache[k] for k in wanted if k in self._floor_cache}
+            missing = [k for k in wanted if k not in floors]
+        prefix = self.model.tokenizer.prefix()
+        floor_trees = [build_tree(prefix, [], [k]) for k in missing]
+        processed = sum(len(t) for t in trees) + sum(len(t) for t in floor_trees)
+        if processed > self.limits.max_request_tokens:
+            raise ScoringError(
+                "too_many_tokens",
+                f"the request needs {processed} processed tokens; "
+                f"the limit is {self.limits.max_request_tokens}",
+                "inputs",
+            )
+        return Plan(request, trees + floor_trees, owners, missing, floors)
 
     def trees(self, request: CompiledRequest) -> tuple[list[Tree], list[int]]:
         """Every content's tree(s), and for each tree the index of the content it reads."""
@@ -141,45 +184,29 @@ class Engine:
             owners += [c] * len(chunks)
         return trees, owners
 
-    def _evaluate(self, request: CompiledRequest):
-        prefix = self.model.tokenizer.prefix()
-        trees, owners = self.trees(request)
-        floors = {}
-        if request.empty_floor:
-            wanted = {
-                _key(q) for content in request.contents for query in content.queries for q in query.questions
-            }
-            floors = {k: self._floor_cache[k] for k in wanted if k in self._floor_cache}
-            missing = [k for k in wanted if k not in floors]
-            floor_trees = [build_tree(prefix, [], [k]) for k in missing]
-        else:
-            missing, floor_trees = [], []
-        processed = sum(len(t) for t in trees) + sum(len(t) for t in floor_trees)
-        if processed > MAX_PROCESSED_TOKENS:
-            raise ScoringError(
-                "too_many_tokens",
-                f"the request needs {processed} processed tokens; the limit is {MAX_PROCESSED_TOKENS}",
-                "inputs",
-            )
-        scored = self.score_trees(trees + floor_trees)
-        for key, result in zip(missing, scored[len(trees) :], strict=True):
+    def finish(self, plan: "Plan", scored: list[Scored]) -> dict:
+        n = len(plan.owners)
+        floors = dict(plan.floors)
+        for key, result in zip(plan.floor_keys, scored[n:], strict=True):
             floors[key] = result.option_logprobs(0)
             self._remember_floor(key, floors[key])
+        by_content = plan.trees[:n]
         usage = {
-            "content_tokens": sum(t.trunk_tokens for t in trees),
-            "query_tokens": sum(len(t) - t.trunk_tokens for t in trees),
-            "floor_tokens": sum(len(t) for t in floor_trees),
+            "content_tokens": sum(t.trunk_tokens for t in by_content),
+            "query_tokens": sum(len(t) - t.trunk_tokens for t in by_content),
+            "floor_tokens": sum(len(t) for t in plan.trees[n:]),
         }
-        per_content: list[list[np.ndarray]] = [[] for _ in request.contents]
-        for c, result in zip(owners, scored[: len(trees)], strict=True):
+        per_content: list[list[np.ndarray]] = [[] for _ in plan.request.contents]
+        for c, result in zip(plan.owners, scored[:n], strict=True):
             per_content[c] += [result.option_logprobs(i) for i in range(len(result.tree.options))]
-        return per_content, floors, usage
+        return self._respond(plan.request, per_content, floors, usage)
 
     def _remember_floor(self, key: QuestionKey, logprobs: np.ndarray) -> None:
-        self._floor_cache[key] = logprobs
-        self._floor_cache.move_to_end(key)
-        while len(self._floor_cache) > self._floor_cache_size:
-            self._floor_cache.popitem(last=False)
+        with self._floor_lock:
+            self._floor_cache[key] = logprobs
+            self._floor_cache.move_to_end(key)
+            while len(self._floor_cache) > self._floor_cache_size:
+                self._floor_cache.popitem(last=False)
 
     def _respond(self, request: CompiledRequest, per_content, floors, usage) -> dict:
         results, warnings = [], []

@@ -78,7 +78,8 @@ def test_unknown_model_is_a_clear_error():
 def _next_tokens(model, text, k):
     tok = model.tokenizer
     ids = tok.prefix() + tok.encode(text)
-    lp = jax.nn.log_softmax(model.logits(model.hidden(TreeBatch.sequence(ids))[-1:])[0])
+    last = len(ids) - 1  # the batch is padded to whole attention blocks
+    lp = jax.nn.log_softmax(model.logits(model.hidden(TreeBatch.sequence(ids))[last : last + 1])[0])
     return [tok.decode([int(i)]) for i in jax.lax.top_k(lp, k)[1]]
 
 

@@ -1,0 +1,245 @@
+"""The Litestar app: thin handlers over the engine. JAX never runs on the event loop: requests are compiled
+on worker threads and scored by the engine thread (runner.Runner); handlers only await futures."""
+
+import asyncio
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import version
+
+import anyio.to_thread
+import jax
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.openapi import OpenAPIConfig
+
+from spinf_jax.engine import Engine
+from spinf_jax.packer import Buckets
+from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError
+from spinf_jax.server.metrics import Metrics
+from spinf_jax.server.runner import QueueFull, Runner
+
+MAX_BODY = 2 * 1024 * 1024
+
+
+@dataclass
+class Settings:
+    model: str
+    precision: str = "bf16"
+    buckets: tuple[int, ...] | None = None  # None: by backend (see default_buckets)
+    api_key: str | None = None
+    max_queue: int = 64
+    max_delay_ms: float = 5.0
+    served_names: tuple[str, ...] = ()  # extra names the model answers to (e.g. the hosted service's)
+
+
+def default_buckets() -> tuple[int, ...]:
+    # On the CPU a 16k-token pass takes minutes; small buckets keep single requests responsive.
+    return (2048, 4096, 8192, 16384) if jax.default_backend() != "cpu" else (256, 1024, 2048)
+
+
+@dataclass
+class Server:
+    """What the handlers share; the engine appears once it is loaded and compiled."""
+
+    settings: Settings
+    metrics: Metrics = field(default_factory=Metrics)
+    engine: Engine | None = None
+    runner: Runner | None = None
+    failure: str | None = None
+    ready_at: int | None = None
+
+    def start(self, engine: Engine | None = None) -> None:
+        threading.Thread(target=self._load, args=(engine,), name="spinf-load", daemon=True).start()
+
+    def _load(self, engine: Engine | None) -> None:
+        try:
+            s = self.settings
+            engine = engine or Engine.load(
+                s.model, s.precision, buckets=Buckets(s.buckets or default_buckets())
+            )
+            engine.on_pass = self.metrics.on_pass
+            engine.warmup()
+            self.runner = Runner(engine, s.max_queue, s.max_delay_ms / 1000)
+            self.engine = engine
+            self.ready_at = int(time.time())
+        except Exception as exc:  # noqa: BLE001 - reported by /health and every request
+            self.failure = f"{type(exc).__name__}: {exc}"
+
+    def names(self) -> list[str]:
+        return [self.engine.model.name, *self.settings.served_names] if self.engine else []
+
+    def require_ready(self) -> Engine:
+        if self.engine is None:
+            if self.failure:
+                raise ApiError(503, "model_failed", f"the model failed to load: {self.failure}")
+            raise ApiError(
+                503, "warming_up", "the model is loading and compiling; retry shortly", retry_after=5
+            )
+        return self.engine
+
+
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+def _authorize(request: Request) -> None:
+    key = _server(request).settings.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if given.removeprefix("Bearer ").strip() != key and request.headers.get("x-api-key") != key:
+        raise ApiError(401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer <key>)")
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()  # Litestar stops reading past request_max_body_size (413)
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_request", "the body must be a JSON object")
+    return body
+
+
+async def _score(request: Request, body: dict) -> dict:
+    server = _server(request)
+    engine = server.require_ready()
+    model = body.get("model")
+    if model is not None and model not in server.names():
+        raise ApiError(404, "model_not_found", f"model {model!r} is not served here; see /v1/models", "model")
+    plan = await anyio.to_thread.run_sync(engine.plan, body)
+    try:
+        future = server.runner.submit(plan)
+    except QueueFull:
+        raise ApiError(
+            429, "concurrency_limit", "too many requests are waiting; retry shortly", retry_after=1
+        ) from None
+    response = await asyncio.wrap_future(future)
+    if model is not None:
+        response["model"] = model
+    server.metrics.scored(response)
+    return response
+
+
+@post("/v1/score", status_code=200, summary="Score closed questions about one or many contents")
+async def score(request: Request) -> Response:
+    _authorize(request)
+    return Response(await _score(request, await _body(request)))
+
+
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    summary="OpenAI-compatible scoring (send `scoring` in extra_body)",
+)
+async def chat_completions(request: Request) -> Response:
+    _authorize(request)
+    body = await _body(request)
+    if not any(key in body for key in ("scoring", "inputs", "packs")):
+        raise ApiError(
+            400,
+            "scoring_required",
+            "this server scores, it does not chat: send a `scoring` block (with the OpenAI SDK: extra_body)",
+            "scoring",
+        )
+    scored = await _score(request, body)
+    usage = scored["usage"] | {"completion_tokens": 0, "total_tokens": scored["usage"]["prompt_tokens"]}
+    return Response(
+        {
+            "id": "chatcmpl-" + scored["id"].removeprefix("score-"),
+            "object": "chat.completion",
+            "created": scored["created"],
+            "model": scored["model"],
+            "system_fingerprint": scored["system_fingerprint"],
+            "choices": [],
+            "results": scored["results"],
+            "warnings": scored["warnings"],
+            "usage": usage,
+        }
+    )
+
+
+@get("/v1/models", summary="The served model(s)")
+async def models(request: Request) -> dict:
+    _authorize(request)
+    server = _server(request)
+    created = server.ready_at or int(time.time())
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "spinf"}
+            for name in server.names()
+        ],
+    }
+
+
+@get("/health", summary="Readiness, model, fingerprint, versions and limits")
+async def health(request: Request) -> Response:
+    server = _server(request)
+    engine = server.engine
+    status = "ok" if engine else ("error" if server.failure else "warming_up")
+    body = {
+        "status": status,
+        "ready": engine is not None,
+        "model": server.settings.model,
+        "served_names": server.names(),
+        "precision": server.settings.precision,
+        "versions": {
+            "spinf_jax": version("spinf-jax"),
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+        },
+    }
+    if server.failure:
+        body["error"] = server.failure
+    if engine:
+        body |= {
+            "system_fingerprint": engine.fingerprint,
+            "buckets": list(engine.buckets.sizes),
+            "limits": {**dataclasses.asdict(engine.limits), "max_body_bytes": MAX_BODY},
+        }
+    return Response(body, status_code=200 if engine else 503)
+
+
+@get("/metrics", media_type="text/plain; version=0.0.4", summary="Prometheus metrics")
+async def metrics(request: Request) -> str:
+    server = _server(request)
+    return server.metrics.render(server.runner.depth if server.runner else 0)
+
+
+def _count_requests(app):
+    """ASGI middleware: count every HTTP response by path and status (errors included)."""
+
+    async def middleware(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def record(message):
+            if message["type"] == "http.response.start":
+                scope["app"].state.server.metrics.request(scope["path"], message["status"])
+            await send(message)
+
+        return await app(scope, receive, record)
+
+    return middleware
+
+
+def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
+    """The app; it loads (or takes) the engine in the background and answers 503 until it is compiled."""
+    server = Server(settings)
+    app = Litestar(
+        route_handlers=[score, chat_completions, models, health, metrics],
+        exception_handlers=EXCEPTION_HANDLERS,
+        request_max_body_size=MAX_BODY,
+        middleware=[_count_requests],
+        openapi_config=OpenAPIConfig(
+            title="spinf-jax scoring API", version=version("spinf-jax"), path="/schema"
+        ),
+        on_startup=[lambda: server.start(engine)],
+        on_shutdown=[lambda: server.runner and server.runner.close()],
+    )
+    app.state.server = server
+    return app

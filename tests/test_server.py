@@ -1,0 +1,220 @@
+"""The real server (uvicorn on 127.0.0.1) called with plain HTTP and the official OpenAI SDK."""
+
+import copy
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spinf_jax.engine import Engine
+from spinf_jax.packer import Buckets
+from spinf_jax.server.app import Settings, create_app
+
+MODEL = "spinf/smollm2-135m-instruct"
+BODY = {
+    "model": MODEL,
+    "messages": [
+        {"role": "user", "content": "Customer support message:\nI was charged twice for September."}
+    ],
+    "scoring": {
+        "queries": [
+            {
+                "id": "refund",
+                "template": "\n\nIs the customer asking for a refund?\nAnswer:{?}",
+                "options": [" yes", " no"],
+            },
+            {
+                "id": "about",
+                "template": "\n\nIs the message {tone} about {subject}?\nAnswer:{?}",
+                "options": [" yes", " no"],
+                "combinations": "all",
+                "values": {"tone": ["positive", "negative"], "subject": ["the product", "the support"]},
+            },
+        ]
+    },
+}
+TEXTS = [
+    f"Message {i}: my order number {1000 + 37 * i} arrived {'late' if i % 2 else 'broken'}."
+    for i in range(12)
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(MODEL, "fp32", buckets=Buckets((256, 512, 1024), block=64))
+
+
+def _serve(app):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return server, thread, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server did not become ready")
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    server, thread, url = _serve(create_app(Settings(MODEL, served_names=("spinf/gemma-4-12b-fp8",)), engine))
+    yield url
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def strict_url(engine):
+    """A server with an API key and no room in its queue."""
+    server, thread, url = _serve(create_app(Settings(MODEL, api_key="sekret", max_queue=0), engine))
+    yield url
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _error(response, status, code, param=None):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["error"]["code"] == code
+    assert body["request_id"].startswith("req_") and body["error"]["type"] and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+    return body
+
+
+def test_score_over_http(url):
+    r = httpx.post(f"{url}/v1/score", json=BODY, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "score" and body["model"] == MODEL
+    assert [q["id"] for q in body["results"][0]["queries"]] == ["refund", "about"]
+    assert len(body["results"][0]["queries"][1]["combinations"]) == 4
+    assert body["usage"]["prompt_tokens"] > 0
+
+
+def test_openai_sdk_chat_completions(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model="spinf/gemma-4-12b-fp8", messages=BODY["messages"], extra_body={"scoring": BODY["scoring"]}
+    )
+    assert reply.object == "chat.completion" and reply.choices == []
+    assert reply.model == "spinf/gemma-4-12b-fp8"  # an alias of the served model answers under its name
+    direct = httpx.post(f"{url}/v1/score", json=BODY, timeout=60).json()
+    assert reply.model_extra["results"] == direct["results"]
+    assert reply.system_fingerprint == direct["system_fingerprint"]
+    assert [m.id for m in client.models.list()] == [MODEL, "spinf/gemma-4-12b-fp8"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.code == "scoring_required"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="gpt-4o", messages=BODY["messages"], extra_body={"scoring": BODY["scoring"]}
+        )
+
+
+def _with_content(text: str) -> dict:
+    body = copy.deepcopy(BODY)
+    body["messages"] = [{"role": "user", "content": text}]
+    return body
+
+
+def test_concurrent_clients_get_what_they_get_alone(url):
+    alone = [
+        httpx.post(f"{url}/v1/score", json=_with_content(t), timeout=60).json()["results"] for t in TEXTS
+    ]
+    with ThreadPoolExecutor(len(TEXTS)) as pool:
+        together = list(
+            pool.map(lambda t: httpx.post(f"{url}/v1/score", json=_with_content(t), timeout=120), TEXTS)
+        )
+    for response, expected in zip(together, alone, strict=True):
+        assert response.status_code == 200
+        assert response.json()["results"] == expected
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'spinf_requests_total{path="/v1/score",status="200"}' in metrics
+    assert "spinf_pass_seconds_count" in metrics and "spinf_queue_depth 0" in metrics
+
+
+def test_errors_in_the_envelope(url):
+    _error(httpx.post(f"{url}/v1/score", content=b"{nope"), 400, "invalid_json")
+    _error(httpx.post(f"{url}/v1/score", json=[1, 2]), 400, "invalid_request")
+    bad = copy.deepcopy(BODY)
+    # "cats" is one token, not "cat" + "s"
+    bad["scoring"]["queries"][0] |= {"template": "\n\nThe cat{?}", "options": [" dog", "s"]}
+    _error(httpx.post(f"{url}/v1/score", json=bad), 400, "option_boundary", "scoring.queries[0].options[1]")
+    _error(httpx.post(f"{url}/v1/score", json={**BODY, "model": "other"}), 404, "model_not_found", "model")
+    _error(
+        httpx.post(f"{url}/v1/score", json={**BODY, "packs": [{"id": "spinf/moderation"}]}),
+        400,
+        "unknown_pack",
+    )
+    _error(httpx.get(f"{url}/v1/nothing"), 404, "not_found")
+    _error(httpx.get(f"{url}/v1/score"), 405, "method_not_allowed")
+    assert httpx.get(f"{url}/health").json()["ready"] is True
+
+
+def test_body_over_the_limit_is_refused_while_reading(url):
+    big = b'{"messages": [{"content": "' + b"x" * (3 * 1024 * 1024) + b'"}]}'
+    _error(httpx.post(f"{url}/v1/score", content=big), 413, "request_too_large")
+
+    def chunks():  # no Content-Length: the limit must hold on the bytes as they arrive
+        for _ in range(40):
+            yield b" " * 100_000
+
+    _error(httpx.post(f"{url}/v1/score", content=chunks()), 413, "request_too_large")
+    assert httpx.post(f"{url}/v1/score", json=BODY, timeout=60).status_code == 200
+
+
+def test_api_key_and_queue_limit(strict_url):
+    _error(httpx.post(f"{strict_url}/v1/score", json=BODY), 401, "invalid_api_key")
+    _error(
+        httpx.get(f"{strict_url}/v1/models", headers={"authorization": "Bearer wrong"}),
+        401,
+        "invalid_api_key",
+    )
+    r = httpx.post(f"{strict_url}/v1/score", json=BODY, headers={"authorization": "Bearer sekret"})
+    _error(r, 429, "concurrency_limit")
+    assert r.headers["retry-after"] == "1"
+    assert httpx.get(f"{strict_url}/health").status_code == 200
+
+
+def test_openapi_schema(url):
+    schema = httpx.get(f"{url}/schema/openapi.json").json()
+    assert {"/v1/score", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=20,
+)
+keys = st.sampled_from(["messages", "inputs", "scoring", "model", "packs", "queries", "empty_floor", "x"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    path=st.sampled_from(["/v1/score", "/v1/chat/completions"]),
+    body=st.one_of(json_values, st.dictionaries(keys, json_values, max_size=4), st.binary(max_size=50)),
+)
+def test_malformed_bodies_get_a_4xx_envelope_and_the_server_lives(url, path, body):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{url}{path}", content=content, timeout=60)
+    assert 400 <= r.status_code < 500 or r.status_code == 200, r.text
+    if r.status_code >= 400:
+        assert r.json()["error"]["code"]
+    assert httpx.get(f"{url}/health").status_code == 200

@@ -18,6 +18,7 @@ from spinf_jax.compiler import (
 )
 from spinf_jax.loader import open_checkpoint, resolve
 from spinf_jax.tokenizer import Tokenizer
+from tests.spec_example import SPEC_REQUEST as SPEC_EXAMPLE
 
 
 @pytest.fixture(scope="module")
@@ -29,37 +30,6 @@ def gemma() -> Tokenizer:
 def smollm() -> Tokenizer:  # no BOS, byte-level BPE
     return Tokenizer.from_gguf(open_checkpoint(resolve("spinf/smollm2-135m-instruct")))
 
-
-SPEC_EXAMPLE = {
-    "model": "spinf/gemma-4-12b-fp8",
-    "messages": [
-        {"role": "user", "content": "Customer support message:\nI was charged twice for September."}
-    ],
-    "scoring": {
-        "queries": [
-            {
-                "id": "topic",
-                "template": "\n\nTopic (billing, technical, account, shipping, or cancellation):{?}",
-                "options": [" billing", " technical", " account", " shipping", " cancellation"],
-            },
-            {
-                "id": "refund",
-                "template": "\n\nIs the customer asking for a refund?\nAnswer:{?}",
-                "options": [" yes", " no"],
-            },
-            {
-                "id": "sentiment_about",
-                "template": "\n\nIs the message {tone} about {subject}?\nAnswer:{?}",
-                "options": [" yes", " no"],
-                "combinations": "all",
-                "values": {"tone": ["positive", "negative"], "subject": ["the product", "the support"]},
-            },
-            {"id": "month", "template": '\n\nQ: Which month was charged twice?\nA: "{*}'},
-        ],
-        "empty_floor": True,
-    },
-    "packs": [{"id": "spinf/moderation"}],
-}
 
 YES_NO = {"id": "q", "template": "\n\nAnswer:{?}", "options": [" yes", " no"]}
 

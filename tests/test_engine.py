@@ -9,35 +9,9 @@ from spinf_jax.compiler import ScoringError
 from spinf_jax.engine import Engine
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.packer import Buckets
+from tests.spec_example import without_extraction
 
-SPEC_EXAMPLE = {
-    "model": "spinf/gemma-3-270m",
-    "messages": [
-        {"role": "user", "content": "Customer support message:\nI was charged twice for September."}
-    ],
-    "scoring": {
-        "queries": [
-            {
-                "id": "topic",
-                "template": "\n\nTopic (billing, technical, account, shipping, or cancellation):{?}",
-                "options": [" billing", " technical", " account", " shipping", " cancellation"],
-            },
-            {
-                "id": "refund",
-                "template": "\n\nIs the customer asking for a refund?\nAnswer:{?}",
-                "options": [" yes", " no"],
-            },
-            {
-                "id": "sentiment_about",
-                "template": "\n\nIs the message {tone} about {subject}?\nAnswer:{?}",
-                "options": [" yes", " no"],
-                "combinations": "all",
-                "values": {"tone": ["positive", "negative"], "subject": ["the product", "the support"]},
-            },
-        ],
-        "empty_floor": True,
-    },
-}
+SPEC_EXAMPLE = without_extraction()
 OTHER_TEXTS = [
     "Review: the kettle boils fast but the lid broke after a week. Two stars.",
     "The city council approved the new cycle lanes on Thursday after a long debate about parking.",

@@ -17,30 +17,10 @@ from hypothesis import strategies as st
 from spinf_jax.engine import Engine
 from spinf_jax.packer import Buckets
 from spinf_jax.server.app import Settings, create_app
+from tests.spec_example import without_extraction
 
 MODEL = "spinf/smollm2-135m-instruct"
-BODY = {
-    "model": MODEL,
-    "messages": [
-        {"role": "user", "content": "Customer support message:\nI was charged twice for September."}
-    ],
-    "scoring": {
-        "queries": [
-            {
-                "id": "refund",
-                "template": "\n\nIs the customer asking for a refund?\nAnswer:{?}",
-                "options": [" yes", " no"],
-            },
-            {
-                "id": "about",
-                "template": "\n\nIs the message {tone} about {subject}?\nAnswer:{?}",
-                "options": [" yes", " no"],
-                "combinations": "all",
-                "values": {"tone": ["positive", "negative"], "subject": ["the product", "the support"]},
-            },
-        ]
-    },
-}
+BODY = {**without_extraction(), "model": MODEL}
 TEXTS = [
     f"Message {i}: my order number {1000 + 37 * i} arrived {'late' if i % 2 else 'broken'}."
     for i in range(12)
@@ -103,8 +83,8 @@ def test_score_over_http(url):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "score" and body["model"] == MODEL
-    assert [q["id"] for q in body["results"][0]["queries"]] == ["refund", "about"]
-    assert len(body["results"][0]["queries"][1]["combinations"]) == 4
+    assert [q["id"] for q in body["results"][0]["queries"]] == ["topic", "refund", "sentiment_about"]
+    assert len(body["results"][0]["queries"][2]["combinations"]) == 4
     assert body["usage"]["prompt_tokens"] > 0
 
 

@@ -4,8 +4,12 @@
 mask of `TreeBatch` (spinf_jax.models.layers), optional sliding window over tree positions, GQA.
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 
 def tree_mask(positions: jax.Array, span_end: jax.Array, window: int | None) -> jax.Array:
@@ -107,3 +111,84 @@ def blockwise(
 
     out = jax.lax.map(query_block, jnp.arange(nb, dtype=jnp.int32))
     return out.reshape(t, h, d).astype(q.dtype)
+
+
+def _kernel(start_ref, pos_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block, scale, window):
+    """One query block of one head: online softmax over its tree's key blocks, first to own, in order."""
+    i = pl.program_id(0)
+    q = q_ref[...]  # [block, D]
+    q_idx = i * block + jnp.arange(block, dtype=jnp.int32)
+    q_pos = pos_ref[pl.ds(i * block, block)]
+
+    def step(kb, state):
+        acc, m, denom = state
+        keys = pl.ds(kb * block, block)
+        s = plgpu.dot(q, k_ref[keys, :], trans_b=True) * scale  # [block, block] f32
+        k_idx = kb * block + jnp.arange(block, dtype=jnp.int32)
+        visible = (k_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] < end_ref[keys][None, :])
+        if window is not None:
+            visible &= q_pos[:, None] - pos_ref[keys][None, :] < window
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - shift[:, None])
+        alpha = jnp.exp(m - shift)
+        denom = denom * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
+        return acc, m_new, denom
+
+    init = (
+        jnp.zeros((block, q.shape[-1]), jnp.float32),
+        jnp.full((block,), -jnp.inf, jnp.float32),
+        jnp.zeros((block,), jnp.float32),
+    )
+    acc, _, denom = jax.lax.fori_loop(start_ref[i], i + 1, step, init)
+    o_ref[...] = (acc / jnp.where(denom == 0, 1.0, denom)[:, None]).astype(o_ref.dtype)
+
+
+@partial(jax.jit, static_argnames=("scale", "window", "block", "tile", "interpret"))
+def kernel(
+    q: jax.Array,  # [T, H, D]
+    k: jax.Array,  # [T, K, D]
+    v: jax.Array,  # [T, K, D]
+    positions: jax.Array,  # [T]
+    span_end: jax.Array,  # [T]
+    tree_start_block: jax.Array,  # [T // block]
+    *,
+    scale: float,
+    window: int | None = None,
+    block: int,
+    tile: int = 64,
+    interpret: bool = False,
+) -> jax.Array:  # [T, H, D]
+    """`blockwise` as a Pallas kernel (Triton backend): a program per (query tile, head) visits only the
+    key tiles of its own tree, so tiles no query in it can see are skipped, and the order of its
+    reduction is the tree's own whatever else shares the pass.
+
+    Trees are aligned to `block`; the kernel works in tiles of `tile` ≤ block rows (64 keeps a head_dim-256
+    tile of q, k, v and the scores within shared memory)."""
+    t, h, d = q.shape
+    groups = h // k.shape[1]
+    tile = min(tile, block)
+    per_block = block // tile
+    tree_start_block = jnp.repeat(tree_start_block * per_block, per_block)  # in tiles now
+    block = tile
+    nb = t // block
+    whole = lambda i, j: (0,)  # noqa: E731 - index maps are tiny lambdas by convention
+    return pl.pallas_call(
+        partial(_kernel, block=block, scale=scale, window=window),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(nb, h),
+        in_specs=[
+            pl.BlockSpec((nb,), whole),
+            pl.BlockSpec((t,), whole),
+            pl.BlockSpec((t,), whole),
+            pl.BlockSpec((block, None, d), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((t, None, d), lambda i, j: (0, j // groups, 0)),
+            pl.BlockSpec((t, None, d), lambda i, j: (0, j // groups, 0)),
+        ],
+        out_specs=pl.BlockSpec((block, None, d), lambda i, j: (i, j, 0)),
+        compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
+        interpret=interpret,
+        name="tree_attention",
+    )(tree_start_block, positions, span_end, q, k, v)

@@ -127,6 +127,19 @@ def checkpoint_digest(path: Path) -> str:
     return total.hexdigest()
 
 
+def random_weights(specs, precision: Precision, key: jax.Array, std: float = 0.02):
+    """Random weights at the family's real shapes, in their final form: for speed and memory measurements
+    and GPU parity against a reference given the same weights (throughput does not depend on values)."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_param)
+    keys = jax.random.split(key, len(leaves))
+    return treedef.unflatten(
+        [
+            _to_final(jax.random.normal(k, p.shape, jnp.bfloat16) * std, stored_as(p, precision))
+            for p, k in zip(leaves, keys, strict=True)
+        ]
+    )
+
+
 @dataclass
 class Model:
     """A loaded model: config, weights on the device, tokenizer, and the compiled forward pieces."""

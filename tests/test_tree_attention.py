@@ -3,8 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from pallas_kernels.tree_attention import blockwise, reference, tree_mask
+from pallas_kernels.tree_attention import blockwise, kernel, reference, tree_mask
 
 
 def _qkv(t, h=4, k=2, d=16, seed=0):
@@ -113,3 +114,17 @@ def test_blockwise_bit_identical_across_layouts():
         outs.append(np.asarray(out[off : off + 8]))
     for other_out in outs[1:]:
         np.testing.assert_array_equal(other_out, outs[0])
+
+
+@pytest.mark.parametrize(("block", "tile"), [(16, 16), (32, 16)])
+def test_pallas_kernel_matches_reference_in_interpret_mode(block, tile):
+    """The GPU kernel, run by Pallas' interpreter on the CPU, against the pure-JAX definition."""
+    trunk_and_branches = ([0, 1, 2, 3, 4, 5, 4, 5, *range(6, 30)], [32] * 4 + [6, 6] + [32] * 26)
+    chain = (list(range(20)), [20] * 20)
+    positions, span_end, start_block, _ = _packed_trees([chain, trunk_and_branches], block, 96 // block)
+    q, k, v = _qkv(96, h=4, k=2, d=32, seed=1)
+    for window in (None, 5):
+        expected = reference(q, k, v, positions, span_end, scale=0.2, window=window)
+        args = (q, k, v, positions, span_end, start_block)
+        got = kernel(*args, scale=0.2, window=window, block=block, tile=tile, interpret=True)
+        np.testing.assert_allclose(got, expected, rtol=2e-6, atol=2e-6)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.tree_attention import blockwise
+from pallas_kernels.tree_attention import blockwise, kernel
 from spinf_jax.quant import Weight, embed, linear
 
 
@@ -51,18 +51,11 @@ class TreeBatch:
 
 
 def tree_attention(q, k, v, batch: TreeBatch, *, scale: float, window: int | None = None) -> jax.Array:
-    """q [T, H, D], k/v [T, K, D] → [T, H, D] under the tree mask of `batch`."""
-    return blockwise(
-        q,
-        k,
-        v,
-        batch.positions,
-        batch.span_end,
-        batch.tree_start_block,
-        scale=scale,
-        window=window,
-        block=batch.block,
-    )
+    """q [T, H, D], k/v [T, K, D] → [T, H, D] under the tree mask of `batch`: the Pallas kernel on GPUs,
+    its pure-JAX twin (the same visiting order) elsewhere."""
+    args = (q, k, v, batch.positions, batch.span_end, batch.tree_start_block)
+    attend = kernel if jax.default_backend() == "gpu" else blockwise
+    return attend(*args, scale=scale, window=window, block=batch.block)
 
 
 def by_rows(fn, tile: int | None, *arrays):

@@ -1,0 +1,225 @@
+"""The engine on a GPU at a real model shape with random weights: kernel check, fp8 lowering, bucket
+invariance, and throughput on the seed job. One script, one run; prints a table, ends with one JSON line.
+
+Random weights at the real shape are fine for speed and for invariance (neither depends on the values);
+the tokenizer is Gemma 3's (its vocabulary is the 12B model's). Run on the GPU machine from the repo root:
+
+    python3 benchmarks/gpu_engine.py --tokenizer gemma3-tokenizer.json --out $OUT
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tokenizers
+
+from pallas_kernels.tree_attention import blockwise, kernel, reference
+from spinf_jax.engine import Engine
+from spinf_jax.loader import Model, random_weights
+from spinf_jax.models import family_for
+from spinf_jax.packer import Buckets
+from spinf_jax.quant import Precision, QuantArray, linear, quantize
+from spinf_jax.tokenizer import Tokenizer
+
+JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
+# Gemma 3 12B's text config (google/gemma-3-12b-pt), as transformers writes it.
+GEMMA3_12B = {
+    "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+    "query_pre_attn_scalar": 256, "sliding_window": 1024, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+}  # fmt: skip
+
+
+def timed(fn, *args, repeats=5):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def check_kernel(results: dict) -> None:
+    """Kernel vs pure-JAX twin vs dense reference on a pack of trees at head_dim 256 and 128."""
+    rng = np.random.default_rng(0)
+    t, block = 4096, 128
+    positions, span_end, start = (
+        np.zeros(t, np.int32),
+        np.arange(1, t + 1, dtype=np.int32),
+        np.arange(t // block),
+    )
+    cursor = 0
+    while cursor + 600 <= t:  # trees: a 400-token trunk and 10 branches of 20
+        n = 600
+        positions[cursor : cursor + 400] = np.arange(400)
+        span_end[cursor : cursor + 400] = cursor + n
+        for b in range(10):
+            s = cursor + 400 + 20 * b
+            positions[s : s + 20] = np.arange(400, 420)
+            span_end[s : s + 20] = s + 20
+        first = cursor // block
+        start[first : -(-(cursor + n) // block)] = first
+        cursor += -(-n // block) * block
+    args = tuple(map(jnp.asarray, (positions, span_end, start)))
+    out = []
+    for d, heads, kv, window in ((256, 16, 8, None), (256, 16, 8, 1024), (128, 32, 8, None)):
+        q = jnp.asarray(rng.standard_normal((t, heads, d)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((t, kv, d)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((t, kv, d)), jnp.bfloat16)
+        scale = d**-0.5
+        got = kernel(q, k, v, *args, scale=scale, window=window, block=block)
+        twin = jax.jit(blockwise, static_argnames=("scale", "window", "block"))(
+            q, k, v, *args, scale=scale, window=window, block=block
+        )
+        ref = jax.jit(reference, static_argnames=("scale", "window"))(
+            q, k, v, *args[:2], scale=scale, window=window
+        )
+        f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+        seconds = timed(partial(kernel, scale=scale, window=window, block=block), q, k, v, *args)
+        out.append(
+            {
+                "head_dim": d,
+                "heads": heads,
+                "kv_heads": kv,
+                "window": window,
+                "tokens": t,
+                "max_abs_vs_reference": float(np.abs(f32(got) - f32(ref)).max()),
+                "max_abs_vs_pure_jax_twin": float(np.abs(f32(got) - f32(twin)).max()),
+                "kernel_ms": seconds * 1e3,
+            }
+        )
+    results["kernel"] = out
+
+
+def check_fp8(results: dict) -> None:
+    x = jnp.ones((8192, 8192), jnp.bfloat16)
+    w = quantize(jax.random.normal(jax.random.key(0), (8192, 8192)), Precision.FP8)
+    hlo = jax.jit(linear).lower(x, w).compile().as_text()
+    results["fp8_uses_cublaslt_f8"] = "__cublas$lt$matmul$f8" in hlo
+    a = jax.random.normal(jax.random.key(1), (8192, 8192)).astype(jnp.float8_e4m3fn)
+    dot = jax.jit(
+        lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+    )
+    results["fp8_gemm_tflops"] = 2 * 8192**3 / timed(dot, a, a) / 1e12
+    bf = a.astype(jnp.bfloat16)
+    results["bf16_gemm_tflops"] = 2 * 8192**3 / timed(jax.jit(lambda a, b: a @ b.T), bf, bf) / 1e12
+    results["fp8_linear_8192_tflops"] = 2 * 8192**3 / timed(jax.jit(linear), x, w) / 1e12
+
+
+def linear_params(params) -> int:
+    leaves = jax.tree.leaves(params["layers"], is_leaf=lambda x: isinstance(x, QuantArray))
+    return sum(int(np.prod(x.shape)) for x in leaves if isinstance(x, QuantArray) or x.ndim == 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--precision", default="fp8")
+    parser.add_argument("--buckets", default="4096,16384")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    results = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "weights": "random, real shape",
+    }
+
+    check_kernel(results)
+    check_fp8(results)
+
+    cfg_dict = GEMMA3_12B
+    family = family_for(cfg_dict)
+    cfg = family.Config.from_hf(cfg_dict)
+    precision = Precision(args.precision)
+    start = time.perf_counter()
+    params = jax.block_until_ready(random_weights(family.param_specs(cfg), precision, jax.random.key(0)))
+    tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
+    model = Model("gemma-3-12b-shape-random", family, cfg, precision, params, tok, digest="random-0")
+    results["model"] = {
+        "config": "gemma-3-12b text",
+        "precision": precision.value,
+        "linear_params": linear_params(params),
+        "init_seconds": time.perf_counter() - start,
+    }
+    buckets = Buckets(tuple(int(b) for b in args.buckets.split(",")))
+    engine = Engine(model, buckets)
+    start = time.perf_counter()
+    engine.warmup()
+    results["compile_seconds"] = time.perf_counter() - start
+
+    job = json.loads(JOB.read_text())
+    request = {
+        "inputs": [
+            {"id": c["id"], "messages": [{"role": "user", "content": c["text"]}]} for c in job["contents"]
+        ],
+        "scoring": {"queries": job["questions"]},
+    }
+    start = time.perf_counter()
+    first = engine.score(request)
+    results["first_call_seconds"] = time.perf_counter() - start
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        again = engine.score(request)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    usage = again["usage"]["prompt_tokens_details"]
+    tokens = usage["content_tokens"] + usage["query_tokens"]
+    questions = len(job["contents"]) * len(job["questions"])
+    results["job"] = {
+        "contents": len(job["contents"]),
+        "questions": questions,
+        "tokens": tokens,
+        "seconds": seconds,
+        "questions_per_second": questions / seconds,
+        "tokens_per_second": tokens / seconds,
+        "mfu_vs_measured_fp8_peak": 2
+        * results["model"]["linear_params"]
+        * tokens
+        / seconds
+        / (results["fp8_gemm_tflops"] * 1e12),
+        "same_results_every_call": again["results"] == first["results"],
+    }
+    # Invariance: the first article alone, and in a pass of another bucket set, against the job's answer.
+    single = {**request, "inputs": request["inputs"][:1]}
+    alone = engine.score(single)["results"][0]
+    other = Engine(model, Buckets((buckets.sizes[-1],))).score(single)["results"][0]
+    results["invariance"] = {
+        "alone_equals_packed": alone == first["results"][0],
+        "other_bucket_equals_packed": other == first["results"][0],
+    }
+    stats = jax.devices()[0].memory_stats() or {}
+    results["peak_device_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
+
+    rows = [(k, v) for k, v in results.items() if not isinstance(v, dict | list)]
+    rows += [(f"job.{k}", v) for k, v in results["job"].items()] + [
+        (f"invariance.{k}", v) for k, v in results["invariance"].items()
+    ]
+    rows += [
+        (
+            f"kernel d={r['head_dim']} w={r['window']}",
+            f"{r['kernel_ms']:.2f} ms, max|Δ| ref {r['max_abs_vs_reference']:.3g}",
+        )
+        for r in results["kernel"]
+    ]
+    for k, v in rows:
+        print(f"{k:<40} {v}")
+    line = json.dumps(results)
+    Path(args.out, "gpu_engine.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    main()

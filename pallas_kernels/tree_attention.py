@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from spinf_jax.quant import matmul_precision
+
 
 def tree_mask(positions: jax.Array, span_end: jax.Array, window: int | None) -> jax.Array:
     """[T, T] bool: query i may attend to key j."""
@@ -37,11 +39,12 @@ def reference(
     t, h, d = q.shape
     groups = h // k.shape[1]
     qg = q.reshape(t, k.shape[1], groups, d)
-    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
+    exact = matmul_precision(q.dtype)
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k, precision=exact, preferred_element_type=jnp.float32) * scale
     mask = tree_mask(positions, span_end, window)
     scores = jnp.where(mask[None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("kgts,skd->tkgd", probs, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("kgts,skd->tkgd", probs, v, precision=exact, preferred_element_type=jnp.float32)
     return out.reshape(t, h, d).astype(q.dtype)
 
 
@@ -73,6 +76,7 @@ def blockwise(
     kb = k.reshape(nb, block, kv, d)
     vb = v.reshape(nb, block, kv, d)
     offsets = jnp.arange(block, dtype=jnp.int32)
+    exact = matmul_precision(q.dtype)
 
     def query_block(i):
         # One query block at a time, with the same loop body whatever the pass size: the row bits then
@@ -87,7 +91,10 @@ def blockwise(
             visible = (k_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] < span_end[k_idx][None, :])
             if window is not None:
                 visible &= q_pos[:, None] - positions[k_idx][None, :] < window
-            s = jnp.einsum("bkgd,ckd->kgbc", qb[i], kb[key_block], preferred_element_type=jnp.float32) * scale
+            s = jnp.einsum(
+                "bkgd,ckd->kgbc", qb[i], kb[key_block], precision=exact, preferred_element_type=jnp.float32
+            )
+            s = s * scale
             s = jnp.where(visible[None, None], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             # A row that has seen nothing yet keeps m = -inf; shift by 0 there so no inf - inf appears.
@@ -96,7 +103,11 @@ def blockwise(
             alpha = jnp.exp(m - shift)
             denom = denom * alpha + jnp.sum(p, axis=-1)
             pv = jnp.einsum(
-                "kgbc,ckd->kgbd", p.astype(v.dtype), vb[key_block], preferred_element_type=jnp.float32
+                "kgbc,ckd->kgbd",
+                p.astype(v.dtype),
+                vb[key_block],
+                precision=exact,
+                preferred_element_type=jnp.float32,
             )
             return m_new, denom, acc * alpha[..., None] + pv
 
@@ -117,13 +128,14 @@ def _kernel(start_ref, pos_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block, s
     """One query block of one head: online softmax over its tree's key blocks, first to own, in order."""
     i = pl.program_id(0)
     q = q_ref[...]  # [block, D]
+    exact = q_ref.dtype == jnp.float32  # f32 means f32, not TF32
     q_idx = i * block + jnp.arange(block, dtype=jnp.int32)
     q_pos = pos_ref[pl.ds(i * block, block)]
 
     def step(kb, state):
         acc, m, denom = state
         keys = pl.ds(kb * block, block)
-        s = plgpu.dot(q, k_ref[keys, :], trans_b=True) * scale  # [block, block] f32
+        s = plgpu.dot(q, k_ref[keys, :], trans_b=True, allow_tf32=not exact) * scale  # [block, block] f32
         k_idx = kb * block + jnp.arange(block, dtype=jnp.int32)
         visible = (k_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] < end_ref[keys][None, :])
         if window is not None:
@@ -134,7 +146,7 @@ def _kernel(start_ref, pos_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block, s
         p = jnp.exp(s - shift[:, None])
         alpha = jnp.exp(m - shift)
         denom = denom * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :], allow_tf32=not exact)
         return acc, m_new, denom
 
     init = (
@@ -158,18 +170,19 @@ def kernel(
     scale: float,
     window: int | None = None,
     block: int,
-    tile: int = 64,
+    tile: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, H, D]
     """`blockwise` as a Pallas kernel (Triton backend): a program per (query tile, head) visits only the
     key tiles of its own tree, so tiles no query in it can see are skipped, and the order of its
     reduction is the tree's own whatever else shares the pass.
 
-    Trees are aligned to `block`; the kernel works in tiles of `tile` ≤ block rows (64 keeps a head_dim-256
-    tile of q, k, v and the scores within shared memory)."""
+    Trees are aligned to `block`; the kernel works in tiles of `tile` ≤ block rows. By default 64 rows while
+    a row of q is at most 512 bytes (bf16 head_dim 256), else 32: q, k, v tiles and the scores must fit the
+    H200's 227 KiB of shared memory (f32 at head_dim 256 with 64-row tiles asked for 256 KiB)."""
     t, h, d = q.shape
     groups = h // k.shape[1]
-    tile = min(tile, block)
+    tile = min(tile or (64 if d * q.dtype.itemsize <= 512 else 32), block)
     per_block = block // tile
     tree_start_block = jnp.repeat(tree_start_block * per_block, per_block)  # in tiles now
     block = tile

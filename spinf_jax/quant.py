@@ -66,12 +66,21 @@ def _quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x / scale).astype(jnp.float8_e4m3fn), scale
 
 
+def matmul_precision(dtype):
+    """f32 means f32: GPUs would otherwise run f32 matmuls as TF32 (10-bit mantissa), which is not the
+    reference precision our fp32 parity promises."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
     """x [..., in] @ w[out, in]ᵀ → [..., out], in x's dtype unless out_dtype is given."""
     out_dtype = out_dtype or x.dtype
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     if not isinstance(w, QuantArray):
-        return jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.float32).astype(out_dtype)
+        y = jax.lax.dot_general(
+            x, w, contract, precision=matmul_precision(x.dtype), preferred_element_type=jnp.float32
+        )
+        return y.astype(out_dtype)
     if w.values.dtype == jnp.float8_e4m3fn:
         xq, x_scale = _quantize_rows_fp8(x)
         y = jax.lax.dot_general(xq, w.values, contract, preferred_element_type=jnp.float32)

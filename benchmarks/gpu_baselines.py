@@ -1,0 +1,281 @@
+"""Three engines, one job, the same weights: spinf-jax against Hugging Face transformers on the seed job,
+plus parity against transformers at a real model shape. One script, one run, on the GPU machine.
+
+- Weights: a Gemma-3-12B-shaped model with transformers' own random initialisation (seed 0), handed to our
+  loader tensor by tensor (no checkpoint on disk), so every engine reads the same weights.
+- Baseline A: transformers (bf16, SDPA), each question a full request: BOS + article + question.
+- Baseline B: transformers reading each article once and scoring its 56 questions as one padded batch over
+  the copied prefix cache (the shared-prefix mode of the SemIf decision service).
+- spinf-jax: fp8 (and bf16 where asked), the whole job as one request.
+- Parity: the first `--parity-layers` layers of the same shape (5 sliding + 1 global covers both layer
+  types), transformers fp32 (eager) against ours at fp32 / bf16 / fp8, on the seed job's first articles.
+
+    python3 benchmarks/gpu_baselines.py --tokenizer gemma3-tokenizer.json --out $OUT
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import tokenizers
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+from spinf_jax.engine import Engine
+from spinf_jax.loader import Model, load_weights
+from spinf_jax.models import gemma3, qwen3
+from spinf_jax.packer import Buckets
+from spinf_jax.quant import Precision
+from spinf_jax.tokenizer import Tokenizer
+
+JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
+GEMMA3_12B = {
+    "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+    "query_pre_attn_scalar": 256, "sliding_window": 1024, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+}  # fmt: skip
+# Qwen3-8B (Qwen/Qwen3-8B config.json).
+QWEN3_8B = {
+    "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+}  # fmt: skip
+FAMILIES = {
+    "gemma3_text": (gemma3, Gemma3ForCausalLM, Gemma3TextConfig),
+    "qwen3": (qwen3, Qwen3ForCausalLM, Qwen3Config),
+}
+
+
+class FoldedTokenizer(Tokenizer):
+    """Gemma's tokenizer with ids folded into Qwen3's vocabulary (no Qwen weights or tokenizer here)."""
+
+    vocab = QWEN3_8B["vocab_size"]
+
+    def encode(self, text: str) -> list[int]:
+        return [i % self.vocab for i in super().encode(text)]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [[i % self.vocab for i in ids] for ids in super().encode_batch(texts)]
+
+
+class TorchWeights:
+    """A loaded transformers model as a checkpoint for our loader: one tensor at a time, as f32 numpy."""
+
+    def __init__(self, model: torch.nn.Module, config: dict):
+        self.config = config
+        self.state = model.state_dict()
+
+    def get(self, name: str) -> np.ndarray:
+        return self.state[name].float().cpu().numpy()
+
+
+def hf_model(config: dict, dtype, attn: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    _, hf_class, config_class = FAMILIES[config["model_type"]]
+    cfg = config_class(**{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = hf_class._from_config(cfg, dtype=dtype, attn_implementation=attn)
+    return model.eval()
+
+
+def our_engine(hf: torch.nn.Module, config: dict, precision: str, tok: Tokenizer, buckets: Buckets) -> Engine:
+    family = FAMILIES[config["model_type"]][0]
+    cfg = family.Config.from_hf(config)
+    params = load_weights(family.param_specs(cfg), TorchWeights(hf, config), Precision(precision))
+    name = f"{config['model_type']}-real-shape-{precision}"
+    return Engine(Model(name, family, cfg, Precision(precision), params, tok, digest="seed0"), buckets)
+
+
+def parity(config: dict, layers: int, tok, request: dict, articles, questions, options) -> dict:
+    """The first `layers` layers at the real width: transformers fp32 (eager) against ours."""
+    small = config | {"num_hidden_layers": layers}
+    hf32 = hf_model(small, torch.float32, "eager")
+    _, ref = baseline_b(hf32, articles, questions, options)
+    out = {"layers": layers, "articles": len(articles), "reference": "transformers fp32 eager"}
+    for precision in ("fp32", "bf16", "fp8"):
+        engine = our_engine(hf32, small, precision, tok, Buckets((4096,)))
+        out[precision] = agreement(ours_scores(engine.score(request), len(articles)), ref)
+        print(config["model_type"], "parity", precision, out[precision], flush=True)
+    del hf32, engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def job_ids(tok: Tokenizer, job: dict):
+    articles = [tok.prefix() + tok.encode(c["text"]) for c in job["contents"]]
+    questions = [tok.encode(q["template"].replace("{?}", "")) for q in job["questions"]]
+    options = [tok.encode(o)[0] for o in job["questions"][0]["options"]]  # " yes", " no": one token each
+    return articles, questions, options
+
+
+@torch.inference_mode()
+def baseline_a(hf, articles, questions, options) -> tuple[float, np.ndarray]:
+    """Each question as its own request; returns seconds and log-probs [articles, questions, options]."""
+    device = next(hf.parameters()).device
+    out = np.zeros((len(articles), len(questions), len(options)))
+    start = time.perf_counter()
+    for a, article in enumerate(articles):
+        for q, question in enumerate(questions):
+            ids = torch.tensor([article + question], device=device)
+            logits = hf(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+            out[a, q] = torch.log_softmax(logits, -1)[options].cpu().numpy()
+    return time.perf_counter() - start, out
+
+
+@torch.inference_mode()
+def baseline_b(hf, articles, questions, options) -> tuple[float, np.ndarray]:
+    """Each article read once; its questions as one right-padded batch over copies of its prefix cache."""
+    device = next(hf.parameters()).device
+    out = np.zeros((len(articles), len(questions), len(options)))
+    longest = max(len(q) for q in questions)
+    batch = torch.zeros((len(questions), longest), dtype=torch.long, device=device)
+    mask = torch.zeros((len(questions), longest), dtype=torch.long, device=device)
+    for i, q in enumerate(questions):
+        batch[i, : len(q)] = torch.tensor(q)
+        mask[i, : len(q)] = 1
+    last = torch.tensor([len(q) - 1 for q in questions], device=device)
+    start = time.perf_counter()
+    for a, article in enumerate(articles):
+        prefix = hf(input_ids=torch.tensor([article], device=device), use_cache=True, logits_to_keep=1)
+        cache = prefix.past_key_values
+        cache.batch_repeat_interleave(len(questions))
+        n = len(article)
+        attention = torch.cat([torch.ones((len(questions), n), dtype=torch.long, device=device), mask], dim=1)
+        positions = (n + torch.arange(longest, device=device))[None].expand(len(questions), -1)
+        logits = hf(
+            input_ids=batch, attention_mask=attention, position_ids=positions, past_key_values=cache
+        ).logits
+        picked = logits[torch.arange(len(questions), device=device), last].float()
+        out[a] = torch.log_softmax(picked, -1)[:, options].cpu().numpy()
+    return time.perf_counter() - start, out
+
+
+def ours_scores(response: dict, n_articles: int) -> np.ndarray:
+    return np.array(
+        [
+            [[o["logprob"] for o in q["combinations"][0]["options"]] for q in r["queries"]]
+            for r in response["results"][:n_articles]
+        ]
+    )
+
+
+def agreement(a: np.ndarray, b: np.ndarray) -> dict:
+    """How far two engines' option log-probs are apart, and how often they pick the same option."""
+    d = np.abs(a - b)
+    return {
+        "max_abs": float(d.max()),
+        "mean_abs": float(d.mean()),
+        "same_choice": float(np.mean(a.argmax(-1) == b.argmax(-1))),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--a-articles", type=int, default=6, help="articles for baseline A (it is slow)")
+    parser.add_argument("--parity-layers", type=int, default=6)
+    parser.add_argument("--parity-articles", type=int, default=4)
+    parser.add_argument("--parity-only", action="store_true", help="only the parity checks (both families)")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    config = dict(GEMMA3_12B)
+    tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
+    job = json.loads(JOB.read_text())
+    articles, questions, options = job_ids(tok, job)
+    request = {
+        "inputs": [
+            {"id": c["id"], "messages": [{"role": "user", "content": c["text"]}]} for c in job["contents"]
+        ],
+        "scoring": {"queries": job["questions"], "empty_floor": False},
+    }
+    results = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "jax": jax.__version__,
+        "weights": "transformers random init, seed 0",
+    }
+    n_q = len(articles) * len(questions)
+
+    # Parity at the real width, on the first layers (fp32 reference, eager attention).
+    sub = {**request, "inputs": request["inputs"][: args.parity_articles]}
+    results["parity"] = parity(
+        config, args.parity_layers, tok, sub, articles[: args.parity_articles], questions, options
+    )
+    if args.parity_only:
+        # Qwen3-8B width too. Token ids come from Gemma's tokenizer, folded into Qwen's vocabulary: parity
+        # compares two implementations on the same ids, whatever text they spell.
+        folded = FoldedTokenizer(tok.backend, bos_id=2, add_bos=True)
+        vocab = folded.vocab
+        q_articles, q_questions, q_options = job_ids(folded, job)
+        results["parity_qwen3"] = parity(
+            QWEN3_8B,
+            4,
+            folded,
+            sub,
+            q_articles[: args.parity_articles],
+            q_questions,
+            [o % vocab for o in q_options],
+        )
+        Path(args.out, "gpu_parity.json").write_text(json.dumps(results, indent=1) + "\n")
+        print(json.dumps(results))
+        return
+
+    # Throughput: the whole model, the same weights in every engine.
+    hf = hf_model(config, torch.bfloat16, "sdpa")
+    seconds_b, scores_b = baseline_b(hf, articles, questions, options)
+    seconds_b, scores_b = baseline_b(hf, articles, questions, options)  # warm
+    seconds_a, scores_a = baseline_a(hf, articles[: args.a_articles], questions, options)
+    results["baseline_a"] = {
+        "questions": args.a_articles * len(questions),
+        "seconds": seconds_a,
+        "questions_per_second": args.a_articles * len(questions) / seconds_a,
+    }
+    results["baseline_b"] = {"questions": n_q, "seconds": seconds_b, "questions_per_second": n_q / seconds_b}
+    print("baselines", results["baseline_a"], results["baseline_b"], flush=True)
+    if torch.cuda.is_available():
+        results["baseline_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    engine = our_engine(hf, config, "fp8", tok, Buckets((16384,)))
+    del hf
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    engine.warmup()
+    results["spinf_compile_seconds"] = time.perf_counter() - start
+    response = engine.score(request)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        engine.score(request)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    ours = ours_scores(response, len(articles))
+    results["spinf_fp8"] = {
+        "questions": n_q,
+        "seconds": seconds,
+        "questions_per_second": n_q / seconds,
+        "vs_baseline_b": agreement(ours, scores_b),
+        "vs_baseline_a": agreement(ours[: args.a_articles], scores_a),
+    }
+    results["speedup_vs_b"] = (
+        results["spinf_fp8"]["questions_per_second"] / results["baseline_b"]["questions_per_second"]
+    )
+    results["speedup_vs_a"] = (
+        results["spinf_fp8"]["questions_per_second"] / results["baseline_a"]["questions_per_second"]
+    )
+    results["baseline_b_vs_a"] = agreement(scores_b[: args.a_articles], scores_a)
+    for key in ("baseline_a", "baseline_b", "spinf_fp8"):
+        print(f"{key:<12} {results[key]['questions_per_second']:>10.1f} questions/s")
+    print(json.dumps(results))
+    Path(args.out, "gpu_baselines.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

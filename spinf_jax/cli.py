@@ -36,8 +36,12 @@ def _parity(args) -> int:
 def _serve(args) -> int:
     import uvicorn
 
+    from spinf_jax.engine import use_compilation_cache
     from spinf_jax.loader import DEFAULT_MODEL
     from spinf_jax.server.app import Settings, create_app
+
+    if args.compile_cache != "none":
+        use_compilation_cache(Path(args.compile_cache).expanduser())
 
     settings = Settings(
         model=args.model or DEFAULT_MODEL,
@@ -81,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buckets", help="pass sizes in tokens, comma-separated (default by backend)")
     p.add_argument(
         "--served-model-name", action="append", default=[], help="another name the model answers to"
+    )
+    p.add_argument(
+        "--compile-cache",
+        default="~/.cache/spinf-jax/xla",
+        help="folder for compiled bucket programs, reused across restarts ('none' to disable)",
     )
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=_serve)

@@ -30,6 +30,14 @@ ENGINE_VERSION = "1"  # bump whenever the engine's arithmetic changes (it is par
 LOW_OPTION_MASS = 0.05
 
 
+def use_compilation_cache(path) -> None:
+    """Keep compiled bucket programs, and XLA's GPU autotuning results with them, on disk. A restart then
+    reuses both: it starts sooner, and it cannot autotune its way to different kernels (and other bits)."""
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def _score_pass(params, batch: TreeBatch, read_rows, target_read, target_token, *, model: Model):
     """One pass: hidden states, log-softmax normalisers at the read rows, and every target's log-prob."""
     family, cfg = model.family, model.config
@@ -108,9 +116,7 @@ class Engine:
     def warmup(self) -> None:
         """Compile every bucket's program now (the server does this before it reports ready)."""
         for size in self.buckets.sizes:
-            self._run_pass(
-                pack([build_tree(self.model.tokenizer.prefix() or [0], [], [])], self._bucket(size))[0]
-            )
+            self._run_pass(pack([build_tree([0], [], [])], self._bucket(size))[0])
 
     def _bucket(self, size: int) -> Buckets:
         return Buckets(tuple(s for s in self.buckets.sizes if s >= size), self.buckets.block)

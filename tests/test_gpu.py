@@ -44,8 +44,8 @@ def test_kernel_matches_reference(head_dim, window):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="measured on the H200, 2026-11-29: the tiny fp32 model's scores differ between packings and buckets "
-    "(the 12B-shaped fp8 model's did not); cause not yet isolated (suspect: cuBLAS f32 algorithm choice by M)",
+    reason="H200, 2026-11-29: the tiny fp32 model's scores differ between packings and buckets (the "
+    "12B-shaped fp8 model's did not); cause not yet isolated (suspect: cuBLAS f32 algorithm choice by M)",
 )
 def test_scores_bit_identical_across_packing_and_buckets():
     model = load_model(str(TINY), "fp32")

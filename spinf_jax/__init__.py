@@ -1,0 +1,14 @@
+"""spinf-jax: one read of a content, many closed questions, bit-identical scores.
+
+from spinf_jax import Engine
+engine = Engine.load("spinf/gemma-3-270m", precision="bf16")
+response = engine.score({"messages": [...], "scoring": {"queries": [...]}})
+"""
+
+from spinf_jax.compiler import ScoringError
+from spinf_jax.engine import Engine
+from spinf_jax.loader import load_model
+from spinf_jax.models.layers import TreeBatch
+from spinf_jax.quant import Precision
+
+__all__ = ["Engine", "Precision", "ScoringError", "TreeBatch", "load_model"]

@@ -7,11 +7,16 @@ Gemma without its BOS gives garbage scores.
 """
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+
+# We use transformers only for its GGUF tokenizer converters; its import-time notice that PyTorch is missing
+# is noise for us (torch is deliberately not installed). A user's own TRANSFORMERS_VERBOSITY still wins.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS, GGUF_TOKENIZER_MAPPING
 
 # llama.cpp token types

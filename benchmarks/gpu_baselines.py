@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import tokenizers
 import torch
+from common import GEMMA3_12B, QWEN3_8B, seed_job, seed_request
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 from spinf_jax.engine import Engine
@@ -32,22 +33,6 @@ from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision
 from spinf_jax.tokenizer import Tokenizer
 
-JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
-GEMMA3_12B = {
-    "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360,
-    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
-    "query_pre_attn_scalar": 256, "sliding_window": 1024, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 131072,
-    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-}  # fmt: skip
-# Qwen3-8B (Qwen/Qwen3-8B config.json).
-QWEN3_8B = {
-    "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 40960,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-}  # fmt: skip
 FAMILIES = {
     "gemma3_text": (gemma3, Gemma3ForCausalLM, Gemma3TextConfig),
     "qwen3": (qwen3, Qwen3ForCausalLM, Qwen3Config),
@@ -189,14 +174,9 @@ def main() -> None:
     args = parser.parse_args()
     config = dict(GEMMA3_12B)
     tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
-    job = json.loads(JOB.read_text())
+    job = seed_job()
     articles, questions, options = job_ids(tok, job)
-    request = {
-        "inputs": [
-            {"id": c["id"], "messages": [{"role": "user", "content": c["text"]}]} for c in job["contents"]
-        ],
-        "scoring": {"queries": job["questions"], "empty_floor": False},
-    }
+    request = seed_request(job, empty_floor=False)
     results = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,

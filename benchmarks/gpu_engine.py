@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tokenizers
+from common import GEMMA3_12B, seed_job, seed_request, timed
 
 from pallas_kernels.tree_attention import blockwise, kernel, reference
 from spinf_jax.engine import Engine
@@ -27,26 +28,6 @@ from spinf_jax.models import family_for
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision, QuantArray, linear, quantize
 from spinf_jax.tokenizer import Tokenizer
-
-JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
-# Gemma 3 12B's text config (google/gemma-3-12b-pt), as transformers writes it.
-GEMMA3_12B = {
-    "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360,
-    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
-    "query_pre_attn_scalar": 256, "sliding_window": 1024, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-}  # fmt: skip
-
-
-def timed(fn, *args, repeats=5):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def check_kernel(results: dict) -> None:
@@ -158,13 +139,8 @@ def main() -> None:
     engine.warmup()
     results["compile_seconds"] = time.perf_counter() - start
 
-    job = json.loads(JOB.read_text())
-    request = {
-        "inputs": [
-            {"id": c["id"], "messages": [{"role": "user", "content": c["text"]}]} for c in job["contents"]
-        ],
-        "scoring": {"queries": job["questions"]},
-    }
+    job = seed_job()
+    request = seed_request(job)
     start = time.perf_counter()
     first = engine.score(request)
     results["first_call_seconds"] = time.perf_counter() - start

@@ -18,25 +18,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from common import seed_job, seed_request
 
 from spinf_jax.engine import Engine
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.packer import Buckets, pack
-
-JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
-
-
-def request_for(job: dict) -> dict:
-    return {
-        "inputs": [
-            {"id": c["id"], "messages": [{"role": "user", "content": c["text"]}]} for c in job["contents"]
-        ],
-        "scoring": {
-            "queries": [
-                {"id": q["id"], "template": q["template"], "options": q["options"]} for q in job["questions"]
-            ]
-        },
-    }
 
 
 def plain_logprob(model, ids: list[int], option: list[int]) -> float:
@@ -62,10 +48,10 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
 
-    job = json.loads(JOB.read_text())
+    job = seed_job()
     engine = Engine.load(args.model, args.precision, buckets=Buckets((2048, 4096, 8192, 16384)))
     tok = engine.model.tokenizer
-    request = request_for(job)
+    request = seed_request(job)
 
     plan = engine.plan(request)  # what the first call runs: content trees, then floor trees
     passes = pack(plan.trees, engine.buckets)

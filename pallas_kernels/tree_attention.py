@@ -11,7 +11,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from spinf_jax.quant import matmul_precision
+
+def matmul_precision(dtype):
+    """f32 attention is f32 (GPUs would run it as TF32); the kernels here depend on nothing of spinf_jax."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def tree_mask(positions: jax.Array, span_end: jax.Array, window: int | None) -> jax.Array:

@@ -1,11 +1,15 @@
 """What the benchmarks share: the seed job, the real model shapes, and a timer."""
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+
+from spinf_jax.models.params import Kind, Param
 
 JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
 
@@ -50,3 +54,38 @@ def timed(fn, *args, repeats: int = 5) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def gemm_peaks() -> dict:
+    """fp8 and bf16 GEMM rates measured now (8192³, `x @ Wᵀ`, the layout cuBLASLt's fp8 path wants)."""
+    a = jax.random.normal(jax.random.key(1), (8192, 8192)).astype(jnp.float8_e4m3fn)
+    dot = jax.jit(
+        lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+    )
+    bf = a.astype(jnp.bfloat16)
+    flops = 2 * 8192**3
+    return {
+        "fp8_gemm_tflops": flops / timed(dot, a, a) / 1e12,
+        "bf16_gemm_tflops": flops / timed(dot, bf, bf) / 1e12,
+    }
+
+
+def linear_params(family, cfg) -> int:
+    """Parameters of the decoder layers' linear projections (what model-FLOPs utilisation counts)."""
+    specs = jax.tree.leaves(family.param_specs(cfg)["layers"], is_leaf=lambda p: isinstance(p, Param))
+    return sum(math.prod(p.shape) for p in specs if p.kind is Kind.LINEAR)
+
+
+def report(questions: int, tokens: int, seconds: float, peak_gib: float, params: int, peaks: dict) -> dict:
+    """One engine's line: rates, memory, and 2 × linear parameters × useful tokens over each measured peak."""
+    flops = 2 * params * tokens / seconds
+    return {
+        "questions": questions,
+        "tokens": tokens,
+        "seconds": seconds,
+        "questions_per_second": questions / seconds,
+        "tokens_per_second": tokens / seconds,
+        "peak_device_gib": peak_gib,
+        "mfu_vs_fp8_peak": flops / (peaks["fp8_gemm_tflops"] * 1e12),
+        "mfu_vs_bf16_peak": flops / (peaks["bf16_gemm_tflops"] * 1e12),
+    }

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import tokenizers
 import torch
-from common import GEMMA3_12B, QWEN3_8B, seed_job, seed_request
+from common import GEMMA3_12B, QWEN3_8B, gemm_peaks, linear_params, report, seed_job, seed_request
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 from spinf_jax.engine import Engine
@@ -187,10 +187,10 @@ def main() -> None:
 
     # Parity at the real width, on the first layers (fp32 reference, eager attention).
     sub = {**request, "inputs": request["inputs"][: args.parity_articles]}
-    results["parity"] = parity(
-        config, args.parity_layers, tok, sub, articles[: args.parity_articles], questions, options
-    )
     if args.parity_only:
+        results["parity"] = parity(
+            config, args.parity_layers, tok, sub, articles[: args.parity_articles], questions, options
+        )
         # Qwen3-8B width too. Token ids come from Gemma's tokenizer, folded into Qwen's vocabulary: parity
         # compares two implementations on the same ids, whatever text they spell.
         folded = FoldedTokenizer(tok.backend, bos_id=2, add_bos=True)
@@ -209,23 +209,30 @@ def main() -> None:
         print(json.dumps(results))
         return
 
-    # Throughput: the whole model, the same weights in every engine.
+    # Throughput: the whole model, the same weights in every engine, one run.
+    peaks = gemm_peaks()
+    results["gemm_peaks"] = peaks
+    params = linear_params(gemma3, gemma3.Config.from_hf(config))
+    useful = [len(a) + len(q) for a in articles for q in questions]  # tokens a question needs read
     hf = hf_model(config, torch.bfloat16, "sdpa")
+    baseline_b(hf, articles, questions, options)  # warm-up
+    torch.cuda.reset_peak_memory_stats()
     seconds_b, scores_b = baseline_b(hf, articles, questions, options)
-    seconds_b, scores_b = baseline_b(hf, articles, questions, options)  # warm
+    tokens_b = sum(len(a) for a in articles) + len(articles) * sum(len(q) for q in questions)
+    results["baseline_b"] = report(
+        n_q, tokens_b, seconds_b, torch.cuda.max_memory_allocated() / 2**30, params, peaks
+    )
+    torch.cuda.reset_peak_memory_stats()
     seconds_a, scores_a = baseline_a(hf, articles[: args.a_articles], questions, options)
-    results["baseline_a"] = {
-        "questions": args.a_articles * len(questions),
-        "seconds": seconds_a,
-        "questions_per_second": args.a_articles * len(questions) / seconds_a,
-    }
-    results["baseline_b"] = {"questions": n_q, "seconds": seconds_b, "questions_per_second": n_q / seconds_b}
+    n_a = args.a_articles * len(questions)
+    tokens_a = sum(useful[:n_a])
+    results["baseline_a"] = report(
+        n_a, tokens_a, seconds_a, torch.cuda.max_memory_allocated() / 2**30, params, peaks
+    )
     print("baselines", results["baseline_a"], results["baseline_b"], flush=True)
-    if torch.cuda.is_available():
-        results["baseline_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     engine = our_engine(hf, config, "fp8", tok, Buckets((16384,)))
     del hf
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    torch.cuda.empty_cache()
     start = time.perf_counter()
     engine.warmup()
     results["spinf_compile_seconds"] = time.perf_counter() - start
@@ -235,24 +242,24 @@ def main() -> None:
         start = time.perf_counter()
         engine.score(request)
         times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+    usage = response["usage"]["prompt_tokens_details"]
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+    tokens = usage["content_tokens"] + usage["query_tokens"]
+    results["spinf_fp8"] = report(n_q, tokens, statistics.median(times), peak, params, peaks)
     ours = ours_scores(response, len(articles))
-    results["spinf_fp8"] = {
-        "questions": n_q,
-        "seconds": seconds,
-        "questions_per_second": n_q / seconds,
-        "vs_baseline_b": agreement(ours, scores_b),
-        "vs_baseline_a": agreement(ours[: args.a_articles], scores_a),
-    }
-    results["speedup_vs_b"] = (
-        results["spinf_fp8"]["questions_per_second"] / results["baseline_b"]["questions_per_second"]
-    )
-    results["speedup_vs_a"] = (
-        results["spinf_fp8"]["questions_per_second"] / results["baseline_a"]["questions_per_second"]
-    )
+    results["spinf_fp8_vs_baseline_b"] = agreement(ours, scores_b)
+    results["spinf_fp8_vs_baseline_a"] = agreement(ours[: args.a_articles], scores_a)
     results["baseline_b_vs_a"] = agreement(scores_b[: args.a_articles], scores_a)
     for key in ("baseline_a", "baseline_b", "spinf_fp8"):
-        print(f"{key:<12} {results[key]['questions_per_second']:>10.1f} questions/s")
+        r = results[key]
+        print(
+            f"{key:<12} {r['questions_per_second']:>9.1f} q/s {r['tokens_per_second']:>10.0f} tok/s "
+            f"{r['peak_device_gib']:>6.1f} GiB  MFU(fp8 peak) {r['mfu_vs_fp8_peak']:.1%}"
+        )
+    # Parity last, so that the JAX memory peak above is the fp8 engine's alone.
+    results["parity"] = parity(
+        config, args.parity_layers, tok, sub, articles[: args.parity_articles], questions, options
+    )
     print(json.dumps(results))
     Path(args.out, "gpu_baselines.json").write_text(json.dumps(results, indent=1) + "\n")
 

@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tokenizers
-from common import GEMMA3_12B, seed_job, seed_request, timed
+from common import GEMMA3_12B, gemm_peaks, linear_params, seed_job, seed_request, timed
 
 from pallas_kernels.tree_attention import blockwise, kernel, reference
 from spinf_jax.engine import Engine
 from spinf_jax.loader import Model, random_weights
 from spinf_jax.models import family_for
 from spinf_jax.packer import Buckets
-from spinf_jax.quant import Precision, QuantArray, linear, quantize
+from spinf_jax.quant import Precision, linear, quantize
 from spinf_jax.tokenizer import Tokenizer
 
 
@@ -85,21 +85,11 @@ def check_kernel(results: dict) -> None:
 def check_fp8(results: dict) -> None:
     x = jnp.ones((8192, 8192), jnp.bfloat16)
     w = quantize(jax.random.normal(jax.random.key(0), (8192, 8192)), Precision.FP8)
-    hlo = jax.jit(linear).lower(x, w).compile().as_text()
-    results["fp8_uses_cublaslt_f8"] = "__cublas$lt$matmul$f8" in hlo
-    a = jax.random.normal(jax.random.key(1), (8192, 8192)).astype(jnp.float8_e4m3fn)
-    dot = jax.jit(
-        lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+    results["fp8_uses_cublaslt_f8"] = (
+        "__cublas$lt$matmul$f8" in jax.jit(linear).lower(x, w).compile().as_text()
     )
-    results["fp8_gemm_tflops"] = 2 * 8192**3 / timed(dot, a, a) / 1e12
-    bf = a.astype(jnp.bfloat16)
-    results["bf16_gemm_tflops"] = 2 * 8192**3 / timed(jax.jit(lambda a, b: a @ b.T), bf, bf) / 1e12
+    results |= gemm_peaks()
     results["fp8_linear_8192_tflops"] = 2 * 8192**3 / timed(jax.jit(linear), x, w) / 1e12
-
-
-def linear_params(params) -> int:
-    leaves = jax.tree.leaves(params["layers"], is_leaf=lambda x: isinstance(x, QuantArray))
-    return sum(int(np.prod(x.shape)) for x in leaves if isinstance(x, QuantArray) or x.ndim == 2)
 
 
 def main() -> None:
@@ -130,7 +120,7 @@ def main() -> None:
     results["model"] = {
         "config": "gemma-3-12b text",
         "precision": precision.value,
-        "linear_params": linear_params(params),
+        "linear_params": linear_params(family, cfg),
         "init_seconds": time.perf_counter() - start,
     }
     buckets = Buckets(tuple(int(b) for b in args.buckets.split(",")))

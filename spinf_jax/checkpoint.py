@@ -29,9 +29,6 @@ class SafetensorsFolder:
                     weight_map.update(dict.fromkeys(f.keys(), file.name))
         self.weight_map: dict[str, str] = weight_map
 
-    def names(self) -> set[str]:
-        return set(self.weight_map)
-
     def get(self, name: str) -> np.ndarray:
         # Multimodal checkpoints (Gemma3ForConditionalGeneration) nest the text decoder one level down.
         file = self.weight_map.get(name)
@@ -127,9 +124,6 @@ class GGUFFile:
                 short = _GGUF_LAYER_NAMES[rest]
             return f"blk.{idx}.{short}.{suffix}"
         return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"
-
-    def names(self) -> set[str]:
-        return set(self.tensors)
 
     def get(self, name: str) -> np.ndarray:
         gname = self._gguf_name(name)

@@ -7,7 +7,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -60,19 +60,12 @@ def resolve(spec: str) -> Path:
     raise FileNotFoundError(f"no model at {spec!r}: not a built-in name, a local path, or a Hub id")
 
 
-@lru_cache(maxsize=2)
-def _gguf(path: Path, mtime_ns: int) -> GGUFFile:
-    # gguf's reader takes ~10 s to index a 262k-token vocabulary; loading one file at several precisions
-    # (parity, tests) reuses the memory-mapped index.
-    return GGUFFile(path)
-
-
 def open_checkpoint(path: Path) -> SafetensorsFolder | GGUFFile:
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
         path = ggufs[0] if len(ggufs) == 1 else path
     if path.is_file() and path.suffix == ".gguf":
-        return _gguf(path.resolve(), path.stat().st_mtime_ns)
+        return GGUFFile(path)
     if path.is_dir():
         return SafetensorsFolder(path)
     raise FileNotFoundError(f"{path} is neither a checkpoint folder nor a .gguf file")

@@ -115,3 +115,23 @@ def test_loading_keeps_host_memory_near_one_copy():
     # On the CPU backend the "device" is host memory, so the final weights count once; the rest is the
     # memory-mapped file, one dequantized tensor at a time, and the tokenizer.
     assert grown < 1.5 * final, (grown, final)
+
+
+def test_our_gguf_reader_matches_the_gguf_package():
+    """checkpoint._read_gguf (fast header parse) against gguf.GGUFReader: every field and tensor."""
+    import gguf
+
+    from spinf_jax.checkpoint import _read_gguf
+    from spinf_jax.loader import resolve
+
+    path = resolve("spinf/smollm2-135m-instruct")
+    fields, tensors = _read_gguf(path)
+    reference = gguf.GGUFReader(path)
+    for key, field in reference.fields.items():
+        if not key.startswith("GGUF."):  # the reader's own pseudo-fields (version, counts)
+            np.testing.assert_equal(fields[key], field.contents(), err_msg=key)
+    assert set(tensors) == {t.name for t in reference.tensors}
+    for t in reference.tensors:
+        qtype, dims, data = tensors[t.name]
+        assert qtype == t.tensor_type and dims == [int(n) for n in t.shape]
+        np.testing.assert_array_equal(data.ravel(), t.data.ravel(), err_msg=t.name)

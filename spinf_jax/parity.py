@@ -10,7 +10,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from spinf_jax.loader import Model, load_model
@@ -70,29 +69,9 @@ def read_reference(path: Path) -> dict:
         return json.load(f)
 
 
-def pack_prompts(prompts: list[list[int]]) -> tuple[TreeBatch, list[int]]:
-    """All prompts as independent chains of one pass; returns the batch and each prompt's start."""
-    tokens, positions, span_end, starts = [], [], [], []
-    for ids in prompts:
-        start = len(tokens)
-        starts.append(start)
-        tokens += ids
-        positions += range(len(ids))
-        span_end += [start + len(ids)] * len(ids)
-    total = -(-len(tokens) // PAD_TO) * PAD_TO
-    pad = total - len(tokens)
-    span_end += range(len(tokens) + 1, total + 1)  # a pad token sees only itself
-    tokens += [0] * pad
-    positions += [0] * pad
-    # Prompts are not block-aligned here: every block reads from block 0 and the mask does the rest.
-    tree_start_block = [0] * (total // PAD_TO)
-    batch = TreeBatch(*(jnp.asarray(x, jnp.int32) for x in (tokens, positions, span_end, tree_start_block)))
-    return batch, starts
-
-
 def score_reference(model: Model, prompts: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """Our log-probs of every recorded (position, token) pair and our argmax at every position."""
-    batch, starts = pack_prompts([p["token_ids"] for p in prompts])
+    batch, starts = TreeBatch.chains([p["token_ids"] for p in prompts], PAD_TO)
     hidden = model.hidden(batch)
     rows, targets = [], []
     for p, start in zip(prompts, starts, strict=True):

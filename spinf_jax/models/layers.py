@@ -37,17 +37,31 @@ class TreeBatch:
         return self.tokens.shape[0] // self.tree_start_block.shape[0]
 
     @staticmethod
+    def chains(sequences: list[list[int]], block: int = 128) -> tuple["TreeBatch", list[int]]:
+        """Plain sequences side by side in one pass, padded to whole blocks; returns each one's first row.
+
+        They are not block-aligned: every block reads keys from block 0 and the mask keeps them apart, which
+        is exact but not batch-invariant (the engine's packer aligns trees instead)."""
+        starts = np.cumsum([0] + [len(s) for s in sequences[:-1]]).tolist()
+        n = sum(len(s) for s in sequences)
+        total = -(-n // block) * block
+        tokens = np.zeros(total, np.int32)
+        positions = np.zeros(total, np.int32)
+        span_end = np.arange(1, total + 1, dtype=np.int32)  # a padding token sees only itself
+        for start, seq in zip(starts, sequences, strict=True):
+            end = start + len(seq)
+            tokens[start:end] = seq
+            positions[start:end] = np.arange(len(seq))
+            span_end[start:end] = end
+        batch = TreeBatch(
+            *map(jnp.asarray, (tokens, positions, span_end, np.zeros(total // block, np.int32)))
+        )
+        return batch, starts
+
+    @staticmethod
     def sequence(tokens, block: int = 128) -> "TreeBatch":
         """One plain sequence, padded to a whole number of blocks (the padding rows are not meaningful)."""
-        n = len(tokens)
-        total = -(-n // block) * block
-        ids = np.zeros(total, np.int32)
-        ids[:n] = tokens
-        positions = np.zeros(total, np.int32)
-        positions[:n] = np.arange(n)
-        span_end = np.arange(1, total + 1, dtype=np.int32)
-        span_end[:n] = n
-        return TreeBatch(*map(jnp.asarray, (ids, positions, span_end, np.zeros(total // block, np.int32))))
+        return TreeBatch.chains([list(tokens)], block)[0]
 
 
 def tree_attention(q, k, v, batch: TreeBatch, *, scale: float, window: int | None = None) -> jax.Array:

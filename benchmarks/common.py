@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spinf_jax.models.params import Kind, Param
 
@@ -29,6 +30,21 @@ QWEN3_8B = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 40960,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
 }  # fmt: skip
+
+
+class SyntheticCheckpoint:
+    """A checkpoint of a family's Param tree with made-up f32 values, handed over one tensor at a time like
+    a real one, so the loader's own path (host → device → quantize) is what gets measured."""
+
+    def __init__(self, specs: dict, config: dict):
+        self.config = config
+        params = jax.tree.leaves(specs, is_leaf=lambda p: isinstance(p, Param))
+        self.shapes = {p.source: p.shape for p in params}
+        self.pattern = (np.random.default_rng(0).standard_normal(1 << 20) * 0.02).astype(np.float32)
+
+    def get(self, name: str) -> np.ndarray:
+        shape = self.shapes[name]
+        return np.resize(self.pattern, shape)  # speed and memory do not depend on the values
 
 
 def seed_job() -> dict:

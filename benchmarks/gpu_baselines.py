@@ -167,7 +167,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--a-articles", type=int, default=6, help="articles for baseline A (it is slow)")
-    parser.add_argument("--parity-layers", type=int, default=6)
+    parser.add_argument("--parity-layers", type=int, default=6, help="0: no parity check in this run")
     parser.add_argument("--parity-articles", type=int, default=4)
     parser.add_argument("--parity-only", action="store_true", help="only the parity checks (both families)")
     parser.add_argument("--out", default=".")
@@ -230,12 +230,14 @@ def main() -> None:
         n_a, tokens_a, seconds_a, torch.cuda.max_memory_allocated() / 2**30, params, peaks
     )
     print("baselines", results["baseline_a"], results["baseline_b"], flush=True)
+    save(results, args.out)  # each stage as it ends: what a run that is cut short measured still comes back
     engine = our_engine(hf, config, "fp8", tok, Buckets((16384,)))
     del hf
     torch.cuda.empty_cache()
     start = time.perf_counter()
     engine.warmup()
     results["spinf_compile_seconds"] = time.perf_counter() - start
+    results["spinf_row_tile"] = engine.model.row_tile
     response = engine.score(request)
     times = []
     for _ in range(3):
@@ -256,12 +258,18 @@ def main() -> None:
             f"{key:<12} {r['questions_per_second']:>9.1f} q/s {r['tokens_per_second']:>10.0f} tok/s "
             f"{r['peak_device_gib']:>6.1f} GiB  MFU(fp8 peak) {r['mfu_vs_fp8_peak']:.1%}"
         )
+    save(results, args.out)
     # Parity last, so that the JAX memory peak above is the fp8 engine's alone.
-    results["parity"] = parity(
-        config, args.parity_layers, tok, sub, articles[: args.parity_articles], questions, options
-    )
+    if args.parity_layers:
+        results["parity"] = parity(
+            config, args.parity_layers, tok, sub, articles[: args.parity_articles], questions, options
+        )
+        save(results, args.out)
     print(json.dumps(results))
-    Path(args.out, "gpu_baselines.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+def save(results: dict, out: str) -> None:
+    Path(out, "gpu_baselines.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

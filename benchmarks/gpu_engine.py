@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tokenizers
-from common import GEMMA3_12B, gemm_peaks, linear_params, seed_job, seed_request, timed
+from common import GEMMA3_12B, SyntheticCheckpoint, gemm_peaks, linear_params, seed_job, seed_request, timed
 
 from pallas_kernels.tree_attention import blockwise, kernel, reference
 from spinf_jax.engine import Engine
-from spinf_jax.loader import Model, random_weights
+from spinf_jax.loader import Model, load_weights
 from spinf_jax.models import family_for
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision, linear, quantize
@@ -103,7 +103,7 @@ def main() -> None:
     results = {
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
-        "weights": "random, real shape",
+        "weights": "made-up values (a repeated random pattern), real shape, through the loader",
     }
 
     check_kernel(results)
@@ -114,20 +114,30 @@ def main() -> None:
     cfg = family.Config.from_hf(cfg_dict)
     precision = Precision(args.precision)
     start = time.perf_counter()
-    params = jax.block_until_ready(random_weights(family.param_specs(cfg), precision, jax.random.key(0)))
+    specs = family.param_specs(cfg)
+    params = load_weights(specs, SyntheticCheckpoint(specs, cfg_dict), precision)
+    memory = jax.devices()[0].memory_stats() or {}
     tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
     model = Model("gemma-3-12b-shape-random", family, cfg, precision, params, tok, digest="random-0")
     results["model"] = {
         "config": "gemma-3-12b text",
         "precision": precision.value,
         "linear_params": linear_params(family, cfg),
-        "init_seconds": time.perf_counter() - start,
+        "load_seconds": time.perf_counter() - start,
+        "weights_device_gib": memory.get("bytes_in_use", 0) / 2**30,
+        "load_peak_device_gib": memory.get("peak_bytes_in_use", 0) / 2**30,
     }
     buckets = Buckets(tuple(int(b) for b in args.buckets.split(",")))
     engine = Engine(model, buckets)
     start = time.perf_counter()
     engine.warmup()
     results["compile_seconds"] = time.perf_counter() - start
+    results["row_tile"] = model.row_tile
+    # What a pass needs beyond the weights: XLA's buffer assignment for each bucket's program.
+    results["program_temp_gib"] = {
+        size: engine.lowered(size).compile().memory_analysis().temp_size_in_bytes / 2**30
+        for size in buckets.sizes
+    }
 
     job = seed_job()
     request = seed_request(job)
@@ -169,6 +179,8 @@ def main() -> None:
     results["peak_device_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
 
     rows = [(k, v) for k, v in results.items() if not isinstance(v, dict | list)]
+    rows += [(f"model.{k}", v) for k, v in results["model"].items()]
+    rows += [(f"program_temp_gib[{k}]", v) for k, v in results["program_temp_gib"].items()]
     rows += [(f"job.{k}", v) for k, v in results["job"].items()] + [
         (f"invariance.{k}", v) for k, v in results["invariance"].items()
     ]

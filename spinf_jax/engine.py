@@ -86,6 +86,12 @@ class Engine:
     ):
         self.model = model
         self.buckets = buckets = buckets or Buckets()
+        tile = model.row_tile
+        if tile and any(s % tile or s < 2 * tile for s in buckets.sizes):
+            # XLA inlines a loop that runs once, and inlined code rounds differently from the loop body.
+            raise ValueError(
+                f"with {tile}-row tiles every bucket must be a multiple of {tile} and at least {2 * tile}"
+            )
         self.limits = limits or Limits()
         self.fingerprint = (
             "fp_"
@@ -116,14 +122,24 @@ class Engine:
     def warmup(self) -> None:
         """Compile every bucket's program now (the server does this before it reports ready)."""
         for size in self.buckets.sizes:
-            self._run_pass(pack([build_tree([0], [], [])], self._bucket(size))[0])
+            self._run_pass(self._empty_pass(size))
 
     def _bucket(self, size: int) -> Buckets:
         return Buckets(tuple(s for s in self.buckets.sizes if s >= size), self.buckets.block)
 
-    def _run_pass(self, p: Pass) -> np.ndarray:
+    def _pass_args(self, p: Pass) -> tuple:
         batch = TreeBatch(*map(jnp.asarray, (p.tokens, p.positions, p.span_end, p.tree_start_block)))
-        return np.asarray(self._run(self.model.params, batch, p.read_rows, p.target_read, p.target_token))
+        return self.model.params, batch, p.read_rows, p.target_read, p.target_token
+
+    def _run_pass(self, p: Pass) -> np.ndarray:
+        return np.asarray(self._run(*self._pass_args(p)))
+
+    def lowered(self, size: int) -> jax.stages.Lowered:
+        """One bucket's program, lowered, for inspection (`.compile().memory_analysis()`, `.as_text()`)."""
+        return self._run.lower(*self._pass_args(self._empty_pass(size)))
+
+    def _empty_pass(self, size: int) -> Pass:
+        return pack([build_tree([0], [], [])], self._bucket(size))[0]
 
     def score_trees(self, trees: list[Tree]) -> list[Scored]:
         """Pack trees into passes, run them, and hand back each tree's target log-probs."""

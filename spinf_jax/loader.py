@@ -83,7 +83,8 @@ def load_weights(specs, checkpoint, precision: Precision):
         w = checkpoint.get(p.source)
         if tuple(w.shape) != p.shape:
             raise ValueError(f"{p.source}: checkpoint shape {tuple(w.shape)} != expected {p.shape}")
-        return _to_final(jnp.asarray(w), stored_as(p, precision))
+        # Wait for each tensor: else reads run ahead of the device and full-precision copies pile up there.
+        return jax.block_until_ready(_to_final(jnp.asarray(w), stored_as(p, precision)))
 
     return jax.tree.map(one, specs, is_leaf=is_param)
 
@@ -133,6 +134,11 @@ def random_weights(specs, precision: Precision, key: jax.Array, std: float = 0.0
     )
 
 
+def default_row_tile() -> int:
+    """128 rows on the CPU; on GPUs 1,024, enough rows that the tiled GEMMs still fill the GPU."""
+    return 128 if jax.default_backend() == "cpu" else 1024
+
+
 @dataclass
 class Model:
     """A loaded model: config, weights on the device, tokenizer, and the compiled forward pieces."""
@@ -145,9 +151,9 @@ class Model:
     tokenizer: Tokenizer | None
     digest: str = ""  # checkpoint_digest of what was loaded
     load_seconds: float = 0.0
-    # Row-local work in tiles of this many rows (see models.layers.by_rows); None where the backend's own
-    # programs are row-invariant. On the CPU they are not across pass sizes.
-    row_tile: int | None = field(default_factory=lambda: 128 if jax.default_backend() == "cpu" else None)
+    # Row-local work in tiles of this many rows (see models.layers.by_rows); None runs each pass's rows at
+    # once, which is row-invariant on no backend we measured (docs/engine.md).
+    row_tile: int | None = field(default_factory=default_row_tile)
     _jitted: dict = field(default_factory=dict, repr=False)
 
     def hidden(self, batch: TreeBatch) -> jax.Array:

@@ -1,6 +1,7 @@
 """The scoring engine end to end on Gemma 3 270M: the SPEC's example, equivalence, invariance, the floor."""
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -144,3 +145,17 @@ def test_unknown_pack_and_extraction_are_clear_errors(engine):
     with pytest.raises(ScoringError) as e:
         engine.score(body)
     assert e.value.code == "not_supported"
+
+
+def test_buckets_must_hold_two_row_tiles_at_least(engine):
+    # A one-tile pass would be an inlined loop, which rounds differently from the loop body.
+    model = dataclasses.replace(engine.model, row_tile=256, _jitted={})
+    for sizes in ((256, 1024), (512, 640)):
+        with pytest.raises(ValueError, match="multiple of 256 and at least 512"):
+            Engine(model, Buckets(sizes))
+    Engine(model, Buckets((512, 1024)))
+
+
+def test_bucket_program_can_be_inspected(engine):
+    memory = engine.lowered(256).compile().memory_analysis()
+    assert memory.temp_size_in_bytes > 0

@@ -18,7 +18,7 @@ from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision, linear, quantize
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny" / "gemma3"
+TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 
 
 def test_fp8_weights_use_cublaslt_fp8_gemm():
@@ -27,7 +27,7 @@ def test_fp8_weights_use_cublaslt_fp8_gemm():
     assert "__cublas$lt$matmul$f8" in jax.jit(linear).lower(x, w).compile().as_text()
 
 
-@pytest.mark.parametrize(("head_dim", "window"), [(256, None), (256, 100), (128, None)])
+@pytest.mark.parametrize(("head_dim", "window"), [(512, None), (256, None), (256, 100), (128, None)])
 def test_kernel_matches_reference(head_dim, window):
     t, block = 1024, 128
     positions = np.arange(t, dtype=np.int32) % 512
@@ -42,21 +42,19 @@ def test_kernel_matches_reference(head_dim, window):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.02)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="H200, 2026-11-29: f32 GEMMs (3840x15360) and fused f32 RMSNorm rows differ between 512- and "
-    "2048-row programs, and tiny Qwen3 in bf16 differs too; the tree kernel and bf16 GEMMs do not. Fix to "
-    "try: a fixed GPU row tile (as the CPU path has) so every bucket runs the same row-local program",
-)
-def test_scores_bit_identical_across_packing_and_buckets():
-    model = load_model(str(TINY), "fp32")
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_scores_bit_identical_across_packing_and_buckets(family, precision):
+    # Without row tiles this failed on the H200 (f32 GEMM and fused RMSNorm rows, and Qwen3 in bf16, differed
+    # between 512- and 2,048-row programs); the default GPU row tile is what makes it pass.
+    model = load_model(str(TINY / family), precision)
     questions = [QuestionKey((11, 12, 13), ((40,), (41,))), QuestionKey((14,) * 20, ((50, 51, 52), (53,)))]
     rng = np.random.default_rng(0)
     target = build_tree([2], rng.integers(5, 500, 300).tolist(), questions)
     others = [build_tree([2], rng.integers(5, 500, 100 + 57 * i).tolist(), questions) for i in range(6)]
-    engine = Engine(model, Buckets((512, 1024, 2048)))
+    engine = Engine(model, Buckets((2048, 4096)))
     alone = engine.score_trees([target])[0].logprobs
     packed = engine.score_trees([*others, target])[-1].logprobs
-    bigger = Engine(model, Buckets((2048,))).score_trees([target])[0].logprobs
+    bigger = Engine(model, Buckets((4096,))).score_trees([target])[0].logprobs
     np.testing.assert_array_equal(packed, alone)
     np.testing.assert_array_equal(bigger, alone)

@@ -23,6 +23,19 @@ GEMMA3_12B = {
     "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
 }  # fmt: skip
+# A 12B-class dense Gemma 4 text config. No 12B Gemma 4 config was reachable offline: this is our assumption,
+# Gemma 3 12B's widths with Gemma 4's layer design (global layers: head_dim 512, 4 kv heads, k_eq_v,
+# proportional rope; softcapped logits), the layout spinf/gemma-4-12b-fp8 is expected to have.
+GEMMA4_12B = {
+    "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 3840, "intermediate_size": 15360,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+    "global_head_dim": 512, "num_global_key_value_heads": 4, "attention_k_eq_v": True,
+    "sliding_window": 1024, "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0,
+    "hidden_size_per_layer_input": 0, "max_position_embeddings": 131072,
+    "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1e6},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+}  # fmt: skip
 # Qwen3-8B (Qwen/Qwen3-8B config.json).
 QWEN3_8B = {
     "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,

@@ -23,12 +23,28 @@ import jax
 import numpy as np
 import tokenizers
 import torch
-from common import GEMMA3_12B, QWEN3_8B, gemm_peaks, linear_params, report, seed_job, seed_request
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+from common import (
+    GEMMA3_12B,
+    GEMMA4_12B,
+    QWEN3_8B,
+    gemm_peaks,
+    linear_params,
+    report,
+    seed_job,
+    seed_request,
+)
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from spinf_jax.engine import Engine
 from spinf_jax.loader import Model, load_weights
-from spinf_jax.models import gemma3, qwen3
+from spinf_jax.models import gemma3, gemma4, qwen3
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision
 from spinf_jax.tokenizer import Tokenizer
@@ -36,13 +52,18 @@ from spinf_jax.tokenizer import Tokenizer
 FAMILIES = {
     "gemma3_text": (gemma3, Gemma3ForCausalLM, Gemma3TextConfig),
     "qwen3": (qwen3, Qwen3ForCausalLM, Qwen3Config),
+    "gemma4_text": (gemma4, Gemma4ForCausalLM, Gemma4TextConfig),
 }
+# Parity at real widths: the config, how many of its first layers (enough to cover every layer type).
+PARITY = {"gemma3": (GEMMA3_12B, 6), "qwen3": (QWEN3_8B, 4), "gemma4": (GEMMA4_12B, 6)}
 
 
 class FoldedTokenizer(Tokenizer):
-    """Gemma's tokenizer with ids folded into Qwen3's vocabulary (no Qwen weights or tokenizer here)."""
+    """Gemma 3's tokenizer with ids folded into another vocabulary (no such weights or tokenizer here)."""
 
-    vocab = QWEN3_8B["vocab_size"]
+    def __init__(self, tok: Tokenizer, vocab: int):
+        super().__init__(tok.backend, tok.bos_id, tok.add_bos)
+        self.vocab = vocab
 
     def encode(self, text: str) -> list[int]:
         return [i % self.vocab for i in super().encode(text)]
@@ -68,6 +89,15 @@ def hf_model(config: dict, dtype, attn: str) -> torch.nn.Module:
     cfg = config_class(**{k: v for k, v in config.items() if k != "model_type"})
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = hf_class._from_config(cfg, dtype=dtype, attn_implementation=attn)
+    if config["model_type"] == "gemma4_text":
+        # Gemma 4 attends with scale 1 and leaves the scale to its q/k norm weights; transformers initialises
+        # them at one, which gives attention logits a std of ~sqrt(head_dim) (16-22 here): so peaked that
+        # rounding alone decides a comparison. Centre them on head_dim^-1/4 (a 1/sqrt(head_dim) scale), as the
+        # tiny fixtures do.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.fill_(p.shape[0] ** -0.25)
     return model.eval()
 
 
@@ -169,7 +199,10 @@ def main() -> None:
     parser.add_argument("--a-articles", type=int, default=6, help="articles for baseline A (it is slow)")
     parser.add_argument("--parity-layers", type=int, default=6, help="0: no parity check in this run")
     parser.add_argument("--parity-articles", type=int, default=4)
-    parser.add_argument("--parity-only", action="store_true", help="only the parity checks (both families)")
+    parser.add_argument("--parity-only", action="store_true", help="only the parity checks")
+    parser.add_argument(
+        "--parity-models", default="gemma3,qwen3,gemma4", help=f"with --parity-only: of {list(PARITY)}"
+    )
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     config = dict(GEMMA3_12B)
@@ -188,23 +221,22 @@ def main() -> None:
     # Parity at the real width, on the first layers (fp32 reference, eager attention).
     sub = {**request, "inputs": request["inputs"][: args.parity_articles]}
     if args.parity_only:
-        results["parity"] = parity(
-            config, args.parity_layers, tok, sub, articles[: args.parity_articles], questions, options
-        )
-        # Qwen3-8B width too. Token ids come from Gemma's tokenizer, folded into Qwen's vocabulary: parity
-        # compares two implementations on the same ids, whatever text they spell.
-        folded = FoldedTokenizer(tok.backend, bos_id=2, add_bos=True)
-        vocab = folded.vocab
-        q_articles, q_questions, q_options = job_ids(folded, job)
-        results["parity_qwen3"] = parity(
-            QWEN3_8B,
-            4,
-            folded,
-            sub,
-            q_articles[: args.parity_articles],
-            q_questions,
-            [o % vocab for o in q_options],
-        )
+        for name in args.parity_models.split(","):
+            model_config, layers = PARITY[name]
+            vocab = model_config["vocab_size"]
+            # Token ids come from Gemma 3's tokenizer, folded into the model's vocabulary where it is smaller:
+            # parity compares two implementations on the same ids, whatever text they spell.
+            folded = FoldedTokenizer(tok, vocab) if vocab < config["vocab_size"] else tok
+            p_articles, p_questions, p_options = job_ids(folded, job)
+            results[f"parity_{name}"] = parity(
+                model_config,
+                layers,
+                folded,
+                sub,
+                p_articles[: args.parity_articles],
+                p_questions,
+                [o % vocab for o in p_options],
+            )
         Path(args.out, "gpu_parity.json").write_text(json.dumps(results, indent=1) + "\n")
         print(json.dumps(results))
         return

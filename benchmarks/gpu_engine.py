@@ -138,6 +138,8 @@ def main() -> None:
         size: engine.lowered(size).compile().memory_analysis().temp_size_in_bytes / 2**30
         for size in buckets.sizes
     }
+    print("model", results["model"], "compile_seconds", results["compile_seconds"], flush=True)
+    print("program_temp_gib", results["program_temp_gib"], flush=True)
 
     job = seed_job()
     request = seed_request(job)

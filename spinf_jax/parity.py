@@ -177,11 +177,12 @@ def manifest(path: Path = MANIFEST) -> list[dict]:
     return json.loads(Path(path).read_text())["fixtures"]
 
 
-def run_all(passes: int = 1, path: Path = MANIFEST, only: str | None = None):
-    """Every manifest entry; models shared between entries of the same (model, precision) load once."""
+def run_all(passes: int = 1, path: Path = MANIFEST, only: str | None = None, name: str | None = None):
+    """Every manifest entry (or those whose name contains `only`, or the one called `name`); models shared
+    between entries of the same (model, precision) load once."""
     loaded: dict[tuple[str, str], Model] = {}
     for entry in manifest(path):
-        if only and only not in entry["name"]:
+        if (only and only not in entry["name"]) or (name and name != entry["name"]):
             continue
         key = (entry["model"], entry["precision"])
         model = loaded.get(key) or load_model(_repo_path(entry["model"]), entry["precision"])

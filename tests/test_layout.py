@@ -1,4 +1,4 @@
-"""Trees, packing and invariance at the token level (no text): the tiny Gemma 3 fixture, fp32, on the CPU."""
+"""Trees, packing and invariance at the token level (no text): tiny fixtures of every stack, fp32, CPU."""
 
 from pathlib import Path
 
@@ -20,7 +20,7 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen3", "gemma4", "gemma4-e2b", "gemma4-keqv"])
 def engine(request):
     return Engine(load_model(str(TINY / request.param), "fp32"), Buckets((256, 512, 1024), block=32))
 

@@ -57,9 +57,10 @@ def test_hub_id_from_offline_cache(tmp_path, monkeypatch):
         load_model("spinf-test/not-in-the-cache")
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gemma4-e2b"])
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
-def test_quantized_weights_are_data(precision):
-    model = load_model(str(TINY / "gemma3"), precision)
+def test_quantized_weights_are_data(precision, family):
+    model = load_model(str(TINY / family), precision)
     q = model.params["layers"][0]["q"]
     assert isinstance(q, QuantArray)
     assert q.values.dtype == (jnp.float8_e4m3fn if precision == "fp8" else jnp.int8)
@@ -68,6 +69,33 @@ def test_quantized_weights_are_data(precision):
     assert model.params["embed"].dtype == jnp.bfloat16  # the LM head stays bf16 (see loader)
     leaves = jax.tree.leaves(model.params)
     assert sum(x.nbytes for x in leaves) == nbytes(model.family.param_specs(model.config), model.precision)
+
+
+def test_gemma4_inside_a_multimodal_checkpoint(tmp_path):
+    """Google's Gemma 4 checkpoints are Gemma4ForConditionalGeneration: the text decoder's config sits in
+    text_config and its weights under model.language_model."""
+    tiny = TINY / "gemma4-e2b"
+    tensors = load_file(tiny / "model.safetensors")
+    save_file(
+        {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()},
+        tmp_path / "m.safetensors",
+    )
+    text_config = json.loads((tiny / "config.json").read_text())
+    config = {
+        "model_type": "gemma4",
+        "text_config": text_config,
+        "vision_config": {"model_type": "gemma4_vision"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    np.testing.assert_array_equal(_hidden(tmp_path), _hidden(tiny))
+
+
+def test_gemma4_moe_is_refused_clearly(tmp_path):
+    config = json.loads((TINY / "gemma4" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "enable_moe_block": True, "num_experts": 4}))
+    shutil.copy(TINY / "gemma4" / "model.safetensors", tmp_path)
+    with pytest.raises(ValueError, match="MoE"):
+        load_model(str(tmp_path))
 
 
 def test_unknown_model_is_a_clear_error():

@@ -12,7 +12,7 @@ ENTRIES = parity.manifest()
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e["name"] for e in ENTRIES])
 def test_manifest_entry(entry):
-    [result] = parity.run_all(passes=2, only=entry["name"])
+    [result] = parity.run_all(passes=2, name=entry["name"])
     print(result.line())
     assert result.name == entry["name"]
     assert result.ok, result.line()

@@ -2,11 +2,13 @@
 
 from types import ModuleType
 
-from spinf_jax.models import gemma3, qwen3
+from spinf_jax.models import gemma3, gemma4, qwen3
 
 _FAMILIES: dict[str, ModuleType] = {
     "gemma3_text": gemma3,
     "gemma3": gemma3,
+    "gemma4_text": gemma4,
+    "gemma4": gemma4,
     "qwen3": qwen3,
     "qwen2": qwen3,
     "llama": qwen3,

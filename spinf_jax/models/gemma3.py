@@ -110,7 +110,7 @@ def param_specs(cfg: Config) -> dict:
 
 
 def _norm(x, w, cfg: Config):
-    return rms_norm(x, w, cfg.rms_norm_eps, plus_one=True)
+    return rms_norm(x, w, cfg.rms_norm_eps, style="gemma3")
 
 
 def _qkv(x, positions, w, cfg: Config, rope: Rope):

@@ -88,20 +88,26 @@ def by_rows(fn, tile: int | None, *arrays):
     return jax.tree.map(lambda o: o.reshape(t, *o.shape[2:]), out)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool) -> jax.Array:
-    """RMSNorm computed in f32. Gemma scales by (1 + w) before casting back; Llama/Qwen cast back first
-    and then scale by w. Matching where the cast happens keeps bf16 parity with the reference."""
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, style: str) -> jax.Array:
+    """RMSNorm computed in f32; where the weight is applied and cast back follows the reference, which is
+    what keeps bf16 parity: "gemma3" scales by (1 + w) in f32, "gemma4" by w in f32 (or not at all where
+    weight is None: Gemma 4's v-norm), "llama" (Llama/Qwen) casts back first and then scales by w."""
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if plus_one:
-        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight.astype(x.dtype) * normed.astype(x.dtype)
+    if style == "llama":
+        return weight.astype(x.dtype) * normed.astype(x.dtype)
+    if weight is not None:
+        normed = normed * ((1.0 if style == "gemma3" else 0.0) + weight.astype(jnp.float32))
+    return normed.astype(x.dtype)
 
 
 @dataclass(frozen=True)
 class Rope:
     theta: float
     linear_factor: float = 1.0  # "linear" rope scaling divides every frequency by this factor
+    # Gemma 4's "proportional" rope rotates only the first fraction of the frequency pairs (with exponents
+    # still over the whole head_dim) and leaves the rest unrotated (frequency zero).
+    rotated_fraction: float = 1.0
 
     @staticmethod
     def from_hf(params: dict | None, default_theta: float) -> "Rope":
@@ -112,14 +118,23 @@ class Rope:
             return Rope(theta)
         if kind == "linear":
             return Rope(theta, float(params["factor"]))
+        if kind == "proportional":
+            return Rope(
+                theta, float(params.get("factor", 1.0)), float(params.get("partial_rotary_factor", 1.0))
+            )
         raise ValueError(f"unsupported rope scaling {kind!r}")
+
+    def inv_freq(self, head_dim: int) -> jax.Array:
+        """[head_dim / 2] f32 angular frequencies."""
+        exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+        freq = 1.0 / (self.theta**exponents) / self.linear_factor
+        rotated = int(self.rotated_fraction * head_dim // 2)
+        return jnp.where(jnp.arange(head_dim // 2) < rotated, freq, 0.0)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
     """Rotate-half rotary embedding. x [T, heads, head_dim], positions [T]."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[:, None] * (inv_freq / rope.linear_factor)[None, :]  # [T, D/2]
+    angles = positions.astype(jnp.float32)[:, None] * rope.inv_freq(x.shape[-1])[None, :]  # [T, D/2]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

@@ -105,7 +105,7 @@ def param_specs(cfg: Config) -> dict:
 
 
 def _norm(x, w, cfg: Config):
-    return rms_norm(x, w, cfg.rms_norm_eps, plus_one=False)
+    return rms_norm(x, w, cfg.rms_norm_eps, style="llama")
 
 
 def _project(x, w, name: str, heads: int, cfg: Config):

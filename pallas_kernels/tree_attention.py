@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.late_map import late_map
+
 
 def matmul_precision(dtype):
     """f32 attention is f32 (GPUs would run it as TF32); the kernels here depend on nothing of spinf_jax."""
@@ -81,7 +83,7 @@ def blockwise(
     offsets = jnp.arange(block, dtype=jnp.int32)
     exact = matmul_precision(q.dtype)
 
-    def query_block(i):
+    def query_block(i, q_block):
         # One query block at a time, with the same loop body whatever the pass size: the row bits then
         # depend only on the tree (vectorising over all query blocks let XLA's CPU code vary with T).
         q_idx = i * block + offsets
@@ -95,7 +97,7 @@ def blockwise(
             if window is not None:
                 visible &= q_pos[:, None] - positions[k_idx][None, :] < window
             s = jnp.einsum(
-                "bkgd,ckd->kgbc", qb[i], kb[key_block], precision=exact, preferred_element_type=jnp.float32
+                "bkgd,ckd->kgbc", q_block, kb[key_block], precision=exact, preferred_element_type=jnp.float32
             )
             s = s * scale
             s = jnp.where(visible[None, None], s, -jnp.inf)
@@ -123,7 +125,7 @@ def blockwise(
         out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]  # [kv, groups, block, d]
         return out.transpose(2, 0, 1, 3).reshape(block, h, d)
 
-    out = jax.lax.map(query_block, jnp.arange(nb, dtype=jnp.int32))
+    out = late_map(lambda args: query_block(*args), (jnp.arange(nb, dtype=jnp.int32), qb))
     return out.reshape(t, h, d).astype(q.dtype)
 
 

@@ -2,17 +2,24 @@
 
 import copy
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from spinf_jax.compiler import ScoringError
 from spinf_jax.engine import Engine
+from spinf_jax.loader import Model
+from spinf_jax.models import family_for
 from spinf_jax.models.layers import TreeBatch
+from spinf_jax.models.params import abstract
 from spinf_jax.packer import Buckets
+from spinf_jax.quant import Precision
 from tests.spec_example import without_extraction
 
 SPEC_EXAMPLE = without_extraction()
+TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 OTHER_TEXTS = [
     "Review: the kettle boils fast but the lid broke after a week. Two stars.",
     "The city council approved the new cycle lanes on Thursday after a long debate about parking.",
@@ -159,3 +166,24 @@ def test_buckets_must_hold_two_row_tiles_at_least(engine):
 def test_bucket_program_can_be_inspected(engine):
     memory = engine.lowered(256).compile().memory_analysis()
     assert memory.temp_size_in_bytes > 0
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_pass_temporaries_do_not_grow_with_depth(family):
+    """XLA once kept every layer's tile-loop outputs alive at once (18 GiB in a 16k-token pass of a 12B
+    model): a pass's buffers beyond the weights must not grow with the number of layers."""
+    config = json.loads((TINY / family / "config.json").read_text())
+
+    def temporaries(layers: int) -> int:
+        cfg_dict = {**config, "num_hidden_layers": layers}
+        if family == "gemma3":
+            cfg_dict["layer_types"] = (["sliding_attention"] * 5 + ["full_attention"]) * (layers // 6)
+        fam = family_for(cfg_dict)
+        cfg = fam.Config.from_hf(cfg_dict)
+        params = abstract(fam.param_specs(cfg), Precision.FP32)
+        model = Model("abstract", fam, cfg, Precision.FP32, params, None, digest="abstract")
+        engine = Engine(model, Buckets((1024,), block=32))
+        return engine.lowered(1024).compile().memory_analysis().temp_size_in_bytes
+
+    shallow, deep = temporaries(6), temporaries(24)
+    assert deep <= shallow * 1.05, (shallow, deep)

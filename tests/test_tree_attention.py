@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.late_map import late_map
 from pallas_kernels.tree_attention import blockwise, kernel, reference, tree_mask
 
 
@@ -130,3 +131,11 @@ def test_pallas_kernel_matches_reference_in_interpret_mode(block, tile, head_dim
         args = (q, k, v, positions, span_end, start_block)
         got = kernel(*args, scale=0.2, window=window, block=block, tile=tile, interpret=True)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_late_map_is_lax_map():
+    xs = (jnp.arange(24.0).reshape(4, 6), jnp.arange(4))
+    fn = lambda x: (x[0] * x[1], {"sum": x[0].sum()})  # noqa: E731
+    got, want = jax.tree.leaves(late_map(fn, xs)), jax.tree.leaves(jax.lax.map(fn, xs))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)

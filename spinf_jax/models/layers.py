@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.late_map import late_map
 from pallas_kernels.tree_attention import blockwise, kernel
 from spinf_jax.quant import Weight, embed, linear
 
@@ -84,17 +85,7 @@ def by_rows(fn, tile: int | None, *arrays):
         return fn(*arrays)
     t = arrays[0].shape[0]
     tiles = [a.reshape(t // tile, tile, *a.shape[1:]) for a in arrays]
-    shapes = jax.eval_shape(fn, *[x[0] for x in tiles])
-    out = jax.tree.map(lambda s: jnp.zeros((t // tile, *s.shape), s.dtype), shapes)
-    # The output buffers are zeros that XLA would otherwise create (and copy, once per loop) at the start
-    # of the program: every layer's outputs alive at once, 18 GiB for a 16k-token pass of a 12B model. Tying
-    # them to this call's inputs makes each appear only when its loop is about to run.
-    out, tiles = jax.lax.optimization_barrier((out, tiles))
-
-    def one_tile(i, out):
-        return jax.tree.map(lambda o, r: o.at[i].set(r), out, fn(*[x[i] for x in tiles]))
-
-    out = jax.lax.fori_loop(0, t // tile, one_tile, out)
+    out = late_map(lambda xs: fn(*xs), tiles)
     return jax.tree.map(lambda o: o.reshape(t, *o.shape[2:]), out)
 
 

@@ -12,6 +12,8 @@ from functools import partial
 import jax
 
 from spinf_jax.models.layers import (
+    GLOBAL,
+    SLIDING,
     Rope,
     TreeBatch,
     apply_rope,
@@ -26,8 +28,6 @@ from spinf_jax.models.layers import (
 )
 from spinf_jax.models.params import Kind, Param
 from spinf_jax.quant import Precision, embed, linear
-
-SLIDING, GLOBAL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)

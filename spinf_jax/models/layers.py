@@ -11,6 +11,9 @@ from pallas_kernels.late_map import late_map
 from pallas_kernels.tree_attention import blockwise, kernel
 from spinf_jax.quant import Weight, embed, linear
 
+# Hugging Face's names for the two kinds of attention layer (Gemma 3 and 4 alternate them).
+SLIDING, GLOBAL = "sliding_attention", "full_attention"
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)

@@ -222,13 +222,12 @@ def forward(
     """Final hidden states [T, hidden] for every token of the pass (logits come from `logits`)."""
     dtype = precision.activation_dtype
     x, per_layer = by_rows(partial(_embed, params=params, cfg=cfg, dtype=dtype), row_tile, batch.tokens)
-    kv = {}  # layer index → its (keys, values), for the KV-shared layers that read them
+    kv = {}  # layer index → its (keys, values), for KV-shared layers (XLA frees what no later layer reads)
     for i, w in enumerate(params["layers"]):
         q, k, v = by_rows(partial(_qkv, w=w, cfg=cfg, i=i), row_tile, x, batch.positions)
         if k is None:
             k, v = kv[cfg.kv_source(i)]
-        elif any(cfg.kv_source(j) == i for j in range(i + 1, cfg.num_layers)):
-            kv[i] = k, v
+        kv[i] = k, v
         window = cfg.sliding_window if cfg.layer_types[i] == SLIDING else None
         attn = tree_attention(q, k, v, batch, scale=1.0, window=window)
         rows = (x, attn) if per_layer is None else (x, attn, per_layer[:, i])

@@ -169,13 +169,23 @@ def main() -> None:
         / (results["fp8_gemm_tflops"] * 1e12),
         "same_results_every_call": again["results"] == first["results"],
     }
-    # Invariance: the first article alone, and in a pass of another bucket set, against the job's answer.
-    single = {**request, "inputs": request["inputs"][:1]}
-    alone = engine.score(single)["results"][0]
-    other = Engine(model, Buckets((buckets.sizes[-1],))).score(single)["results"][0]
+    # Invariance, against the job's answer (articles packed in order, two passes of the largest bucket, the
+    # first article at offset 0): every article with the job reversed (each at another offset, with other
+    # neighbours, some in the other pass); the first and last alone (the smallest bucket); the last alone in
+    # the largest bucket (an engine whose only bucket it is).
+    by_id = {r["input_id"]: r for r in first["results"]}
+    reversed_job = engine.score({**request, "inputs": request["inputs"][::-1]})["results"]
+
+    def alone(engine: Engine, i: int) -> dict:
+        return engine.score({**request, "inputs": [request["inputs"][i]]})["results"][0]
+
+    last = len(request["inputs"]) - 1
     results["invariance"] = {
-        "alone_equals_packed": alone == first["results"][0],
-        "other_bucket_equals_packed": other == first["results"][0],
+        "reversed_equals_packed": all(r == by_id[r["input_id"]] for r in reversed_job),
+        "first_alone_equals_packed": alone(engine, 0) == first["results"][0],
+        "last_alone_equals_packed": alone(engine, last) == first["results"][last],
+        "other_bucket_equals_packed": alone(Engine(model, Buckets((buckets.sizes[-1],))), last)
+        == first["results"][last],
     }
     stats = jax.devices()[0].memory_stats() or {}
     results["peak_device_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30

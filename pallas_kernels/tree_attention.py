@@ -2,6 +2,16 @@
 
 `reference` is the pure-JAX definition every kernel here is tested against: dense scores with the tree
 mask of `TreeBatch` (spinf_jax.models.layers), optional sliding window over tree positions, GQA.
+
+`blockwise` (pure JAX, the CPU path) and `kernel` (Pallas, GPUs) compute it so that a row's bits depend on
+its own content and question alone. A row sees the trunk of its tree (BOS + content) and the rows of its own
+branch (its question's template and option trie) above it; nothing else. The two parts are read separately,
+each in key blocks that start at a fixed place: the trunk in blocks counted from the tree's first row (trees
+start on block boundaries), the branch in BRANCH_BLOCK-key blocks counted from the branch's first row. One
+online softmax runs over the trunk blocks, then over the branch blocks. The keys a reduction adds up, and the
+offsets they sit at, are then the same whatever else is in the pass: other contents, other questions of the
+same content, their order. Blocks that hold none of a row's keys may be visited for the sake of other rows in
+the same query block; for that row they add exact zeros and leave its state bit for bit as it was.
 """
 
 from functools import partial
@@ -12,6 +22,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.late_map import late_map
+
+# Keys per step over a branch. Branches are short (a template of at most 256 tokens and its option trie) and
+# several share a query tile, so small steps waste less than trunk-sized ones: on the H200, one seed-job
+# pass's attention took 64 ms with 16-key steps, 69 with 32 and 78 with 64 (benchmarks/gpu_attention.py).
+# 16 is also Triton's smallest dot. Part of the arithmetic: programs that should agree must share it.
+BRANCH_BLOCK = 16
 
 
 def matmul_precision(dtype):
@@ -53,25 +69,64 @@ def reference(
     return out.reshape(t, h, d).astype(q.dtype)
 
 
+def trunk_last_block(trunk_end: jax.Array, block: int) -> jax.Array:
+    """[T // block]: the last key block a query block reads in its trunk part (its own block at most)."""
+    n = trunk_end.shape[0] // block
+    last = (jnp.max(trunk_end.reshape(n, block), axis=1) - 1) // block
+    return jnp.minimum(last, jnp.arange(n, dtype=jnp.int32))
+
+
+def branch_lists(branch_start: jax.Array, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The branches that have rows in each query block: (first row of each branch [n, block], last row of it
+    inside the block [n, block], how many [n]) for n = T // block, in row order, unused entries 0."""
+    t = branch_start.shape[0]
+    n = t // block
+    rows = jnp.arange(t, dtype=jnp.int32)
+    inside = branch_start <= rows
+    col = rows % block
+    following = jnp.concatenate([branch_start[1:], jnp.full((1,), -1, jnp.int32)])
+    first = inside & ((col == 0) | (branch_start == rows))
+    last = inside & ((col == block - 1) | (following != branch_start))
+
+    def listed(flags, values):
+        flags = flags.reshape(n, block)
+        slot = jnp.where(flags, jnp.cumsum(flags, axis=1) - 1, block)  # `block`: out of range, dropped
+        which = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, block))
+        return jnp.zeros((n, block), jnp.int32).at[which, slot].set(values.reshape(n, block), mode="drop")
+
+    return listed(first, branch_start), listed(last, rows), jnp.sum(first.reshape(n, block), axis=1)
+
+
+def _online_softmax_step(state, s, values, dot):
+    """Fold one key block into (m, denom, acc): s [..., rows, keys] masked scores (f32), values [keys, D].
+    A row whose scores are all -inf keeps its state exactly (alpha = 1, adds 0)."""
+    m, denom, acc = state
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    # A row that has seen nothing yet keeps m = -inf; shift by 0 there so no inf - inf appears.
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - shift[..., None])
+    alpha = jnp.exp(m - shift)
+    denom = denom * alpha + jnp.sum(p, axis=-1)
+    return m_new, denom, acc * alpha[..., None] + dot(p.astype(values.dtype), values)
+
+
 def blockwise(
     q: jax.Array,  # [T, H, D]
     k: jax.Array,  # [T, K, D]
     v: jax.Array,  # [T, K, D]
     positions: jax.Array,  # [T]
     span_end: jax.Array,  # [T]
+    trunk_end: jax.Array,  # [T]: end of the row's trunk (i + 1 for padding)
+    branch_start: jax.Array,  # [T]: first row of the row's branch (i + 1 for trunk rows and padding)
     tree_start_block: jax.Array,  # [T // block]: first key block of the tree each query block belongs to
     *,
     scale: float,
     window: int | None = None,
     block: int,
 ) -> jax.Array:  # [T, H, D]
-    """Batch-invariant tree attention: online softmax over key blocks, counted from the query's own tree.
-
-    Every tree of the pass starts on a block boundary. Query block qb visits key blocks
-    tree_start_block[qb], ..., qb in order, so the reduction order of a query depends only on its own tree,
-    never on where the tree sits in the pass or what else is packed with it; blocks outside the tree are
-    never visited. This is the algorithm the GPU kernels implement; here it is plain JAX.
-    """
+    """Tree attention in plain JAX, one query block at a time: trunk key blocks from the tree's first block,
+    then, for each branch with rows in the block, BRANCH_BLOCK-key blocks from the branch's first row (see
+    the module docstring). This is the algorithm the GPU kernel implements."""
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     t, h, d = q.shape
     kv = k.shape[1]
@@ -80,107 +135,170 @@ def blockwise(
     qb = q.reshape(nb, block, kv, groups, d)
     kb = k.reshape(nb, block, kv, d)
     vb = v.reshape(nb, block, kv, d)
+    # A branch block may run past the pass's end (its keys there are never visible); pad so that
+    # dynamic_slice reads zeros there instead of moving the block back.
+    k_pad = jnp.pad(k, ((0, BRANCH_BLOCK), (0, 0), (0, 0)))
+    v_pad = jnp.pad(v, ((0, BRANCH_BLOCK), (0, 0), (0, 0)))
     offsets = jnp.arange(block, dtype=jnp.int32)
+    branch_offsets = jnp.arange(BRANCH_BLOCK, dtype=jnp.int32)
     exact = matmul_precision(q.dtype)
+    trunk_last = trunk_last_block(trunk_end, block)
+    first_rows, last_rows, counts = branch_lists(branch_start, block)
 
-    def query_block(i, q_block):
+    def scores(q_block, keys):  # [block, K, G, D], [keys, K, D] → [K, G, block, keys] f32
+        s = jnp.einsum("bkgd,ckd->kgbc", q_block, keys, precision=exact, preferred_element_type=jnp.float32)
+        return s * scale
+
+    def weighted(p, values):  # [K, G, block, keys], [keys, K, D] → [K, G, block, D] f32
+        return jnp.einsum("kgbc,ckd->kgbd", p, values, precision=exact, preferred_element_type=jnp.float32)
+
+    def query_block(i, q_block, first_rows, last_rows, count):
         # One query block at a time, with the same loop body whatever the pass size: the row bits then
-        # depend only on the tree (vectorising over all query blocks let XLA's CPU code vary with T).
+        # depend only on the rows' own keys (vectorising over all query blocks let XLA's CPU code vary
+        # with T).
         q_idx = i * block + offsets
         q_pos = positions[q_idx]
 
-        def step(r, state):
-            m, denom, acc = state
-            key_block = tree_start_block[i] + r
-            k_idx = key_block * block + offsets
-            visible = (k_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] < span_end[k_idx][None, :])
+        def visible(k_idx, own):  # [block, keys]: the tree mask, restricted to one part
+            ok = (k_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] < span_end[k_idx][None, :]) & own
             if window is not None:
-                visible &= q_pos[:, None] - positions[k_idx][None, :] < window
-            s = jnp.einsum(
-                "bkgd,ckd->kgbc", q_block, kb[key_block], precision=exact, preferred_element_type=jnp.float32
-            )
-            s = s * scale
-            s = jnp.where(visible[None, None], s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            # A row that has seen nothing yet keeps m = -inf; shift by 0 there so no inf - inf appears.
-            shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-            p = jnp.exp(s - shift[..., None])
-            alpha = jnp.exp(m - shift)
-            denom = denom * alpha + jnp.sum(p, axis=-1)
-            pv = jnp.einsum(
-                "kgbc,ckd->kgbd",
-                p.astype(v.dtype),
-                vb[key_block],
-                precision=exact,
-                preferred_element_type=jnp.float32,
-            )
-            return m_new, denom, acc * alpha[..., None] + pv
+                ok &= q_pos[:, None] - positions[k_idx][None, :] < window
+            return ok[None, None]
 
-        init = (
+        def trunk_step(key_block, state):
+            k_idx = key_block * block + offsets
+            own = k_idx[None, :] < trunk_end[q_idx][:, None]
+            s = jnp.where(visible(k_idx, own), scores(q_block, kb[key_block]), -jnp.inf)
+            return _online_softmax_step(state, s, vb[key_block], weighted)
+
+        def branch(j, state):
+            first = first_rows[j]
+            own = (branch_start[q_idx] == first)[:, None]
+
+            def step(r, state):
+                start = first + r * BRANCH_BLOCK
+                # Indices past the end are clamped by the gathers in `visible`; those keys come after every
+                # query row, so the causal test hides them anyway.
+                k_idx = start + branch_offsets
+                keys = jax.lax.dynamic_slice_in_dim(k_pad, start, BRANCH_BLOCK)
+                values = jax.lax.dynamic_slice_in_dim(v_pad, start, BRANCH_BLOCK)
+                s = jnp.where(visible(k_idx, own), scores(q_block, keys), -jnp.inf)
+                return _online_softmax_step(state, s, values, weighted)
+
+            return jax.lax.fori_loop(0, (last_rows[j] - first) // BRANCH_BLOCK + 1, step, state)
+
+        state = (
             jnp.full((kv, groups, block), -jnp.inf, jnp.float32),
             jnp.zeros((kv, groups, block), jnp.float32),
             jnp.zeros((kv, groups, block, d), jnp.float32),
         )
-        _, denom, acc = jax.lax.fori_loop(0, i - tree_start_block[i] + 1, step, init)
+        state = jax.lax.fori_loop(tree_start_block[i], trunk_last[i] + 1, trunk_step, state)
+        _, denom, acc = jax.lax.fori_loop(0, count, branch, state)
         out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]  # [kv, groups, block, d]
         return out.transpose(2, 0, 1, 3).reshape(block, h, d)
 
-    out = late_map(lambda args: query_block(*args), (jnp.arange(nb, dtype=jnp.int32), qb))
+    out = late_map(
+        lambda args: query_block(*args), (jnp.arange(nb, dtype=jnp.int32), qb, first_rows, last_rows, counts)
+    )
     return out.reshape(t, h, d).astype(q.dtype)
 
 
-def _kernel(start_ref, pos_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, block, scale, window):
-    """One query block of one head: online softmax over its tree's key blocks, first to own, in order."""
+def _kernel(
+    start_ref,  # [n] first key tile of the query tile's tree
+    trunk_last_ref,  # [n] last key tile of its trunk part
+    count_ref,  # [n] branches with rows in the query tile
+    first_ref,  # [n * tile] their first rows
+    last_ref,  # [n * tile] their last rows inside the query tile
+    pos_ref,
+    end_ref,
+    trunk_end_ref,
+    branch_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    tile,
+    branch_block,
+    scale,
+    window,
+):
+    """One query tile of one head: online softmax over its trunk's key tiles, then over each of its branches'
+    `branch_block`-key blocks counted from the branch's first row (blockwise, on the GPU)."""
     i = pl.program_id(0)
-    q = q_ref[...]  # [block, D]
+    t = pos_ref.shape[0]
+    q = q_ref[...]  # [tile, D]
     exact = q_ref.dtype == jnp.float32  # f32 means f32, not TF32
-    q_idx = i * block + jnp.arange(block, dtype=jnp.int32)
-    q_pos = pos_ref[pl.ds(i * block, block)]
+    rows = pl.ds(i * tile, tile)
+    q_idx = i * tile + jnp.arange(tile, dtype=jnp.int32)
+    q_pos = pos_ref[rows]
+    q_trunk_end = trunk_end_ref[rows]
+    q_branch = branch_ref[rows]
 
-    def step(kb, state):
-        acc, m, denom = state
-        keys = pl.ds(kb * block, block)
-        s = plgpu.dot(q, k_ref[keys, :], trans_b=True, allow_tf32=not exact) * scale  # [block, block] f32
-        k_idx = kb * block + jnp.arange(block, dtype=jnp.int32)
-        visible = (k_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] < end_ref[keys][None, :])
+    def dot(p, values):
+        return plgpu.dot(p, values, allow_tf32=not exact)
+
+    def masked_scores(keys, k_idx, k_end, k_pos, own):
+        s = plgpu.dot(q, keys, trans_b=True, allow_tf32=not exact) * scale  # [tile, keys] f32
+        ok = (k_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] < k_end[None, :]) & own
         if window is not None:
-            visible &= q_pos[:, None] - pos_ref[keys][None, :] < window
-        s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - shift[:, None])
-        alpha = jnp.exp(m - shift)
-        denom = denom * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :], allow_tf32=not exact)
-        return acc, m_new, denom
+            ok &= q_pos[:, None] - k_pos[None, :] < window
+        return jnp.where(ok, s, -jnp.inf)
 
-    init = (
-        jnp.zeros((block, q.shape[-1]), jnp.float32),
-        jnp.full((block,), -jnp.inf, jnp.float32),
-        jnp.zeros((block,), jnp.float32),
+    def trunk_step(kb, state):
+        keys = pl.ds(kb * tile, tile)
+        k_idx = kb * tile + jnp.arange(tile, dtype=jnp.int32)
+        own = k_idx[None, :] < q_trunk_end[:, None]
+        s = masked_scores(k_ref[keys, :], k_idx, end_ref[keys], pos_ref[keys], own)
+        return _online_softmax_step(state, s, v_ref[keys, :], dot)
+
+    def branch(j, state):
+        first = first_ref[i * tile + j]
+        own = (q_branch == first)[:, None]
+
+        def step(r, state):
+            keys = pl.ds(first + r * branch_block, branch_block)
+            k_idx = first + r * branch_block + jnp.arange(branch_block, dtype=jnp.int32)
+            ok = k_idx < t  # a block may run past the pass's end: load nothing there
+            k_end = plgpu.load(end_ref.at[keys], mask=ok, other=0)  # span 0: invisible
+            k_pos = plgpu.load(pos_ref.at[keys], mask=ok, other=0)
+            key_rows = plgpu.load(k_ref.at[keys, :], mask=ok[:, None], other=0.0)
+            values = plgpu.load(v_ref.at[keys, :], mask=ok[:, None], other=0.0)
+            return _online_softmax_step(state, masked_scores(key_rows, k_idx, k_end, k_pos, own), values, dot)
+
+        return jax.lax.fori_loop(0, (last_ref[i * tile + j] - first) // branch_block + 1, step, state)
+
+    state = (
+        jnp.full((tile,), -jnp.inf, jnp.float32),
+        jnp.zeros((tile,), jnp.float32),
+        jnp.zeros((tile, q.shape[-1]), jnp.float32),
     )
-    acc, _, denom = jax.lax.fori_loop(start_ref[i], i + 1, step, init)
+    state = jax.lax.fori_loop(start_ref[i], trunk_last_ref[i] + 1, trunk_step, state)
+    _, denom, acc = jax.lax.fori_loop(0, count_ref[i], branch, state)
     o_ref[...] = (acc / jnp.where(denom == 0, 1.0, denom)[:, None]).astype(o_ref.dtype)
 
 
-@partial(jax.jit, static_argnames=("scale", "window", "block", "tile", "interpret"))
+@partial(jax.jit, static_argnames=("scale", "window", "block", "tile", "branch_block", "interpret"))
 def kernel(
     q: jax.Array,  # [T, H, D]
     k: jax.Array,  # [T, K, D]
     v: jax.Array,  # [T, K, D]
     positions: jax.Array,  # [T]
     span_end: jax.Array,  # [T]
+    trunk_end: jax.Array,  # [T]
+    branch_start: jax.Array,  # [T]
     tree_start_block: jax.Array,  # [T // block]
     *,
     scale: float,
     window: int | None = None,
     block: int,
     tile: int | None = None,
+    branch_block: int = BRANCH_BLOCK,
     interpret: bool = False,
 ) -> jax.Array:  # [T, H, D]
-    """`blockwise` as a Pallas kernel (Triton backend): a program per (query tile, head) visits only the
-    key tiles of its own tree, so tiles no query in it can see are skipped, and the order of its
-    reduction is the tree's own whatever else shares the pass.
+    """`blockwise` as a Pallas kernel (Triton backend): a program per (query tile, head) reads its trunk's
+    key tiles and then its branches' key blocks, so tiles no query in it can see are skipped, and the order
+    of each row's reduction is its own content's and question's whatever else shares the pass.
 
     Trees are aligned to `block`; the kernel works in tiles of `tile` ≤ block rows. By default 64 rows while
     a row of q is at most 512 bytes (bf16 head_dim 256), else 32: q, k, v tiles and the scores must fit the
@@ -189,24 +307,37 @@ def kernel(
     groups = h // k.shape[1]
     tile = min(tile or (64 if d * q.dtype.itemsize <= 512 else 32), block)
     per_block = block // tile
-    tree_start_block = jnp.repeat(tree_start_block * per_block, per_block)  # in tiles now
-    block = tile
-    nb = t // block
+    n = t // tile
+    start = jnp.repeat(tree_start_block * per_block, per_block)  # in tiles now
+    first_rows, last_rows, counts = branch_lists(branch_start, tile)
     whole = lambda i, j: (0,)  # noqa: E731 - index maps are tiny lambdas by convention
     return pl.pallas_call(
-        partial(_kernel, block=block, scale=scale, window=window),
+        partial(_kernel, tile=tile, branch_block=branch_block, scale=scale, window=window),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(nb, h),
+        grid=(n, h),
         in_specs=[
-            pl.BlockSpec((nb,), whole),
-            pl.BlockSpec((t,), whole),
-            pl.BlockSpec((t,), whole),
-            pl.BlockSpec((block, None, d), lambda i, j: (i, j, 0)),
+            *[pl.BlockSpec((n,), whole)] * 3,
+            *[pl.BlockSpec((n * tile,), whole)] * 2,
+            *[pl.BlockSpec((t,), whole)] * 4,
+            pl.BlockSpec((tile, None, d), lambda i, j: (i, j, 0)),
             pl.BlockSpec((t, None, d), lambda i, j: (0, j // groups, 0)),
             pl.BlockSpec((t, None, d), lambda i, j: (0, j // groups, 0)),
         ],
-        out_specs=pl.BlockSpec((block, None, d), lambda i, j: (i, j, 0)),
+        out_specs=pl.BlockSpec((tile, None, d), lambda i, j: (i, j, 0)),
         compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="tree_attention",
-    )(tree_start_block, positions, span_end, q, k, v)
+    )(
+        start,
+        trunk_last_block(trunk_end, tile),
+        counts,
+        first_rows.reshape(-1),
+        last_rows.reshape(-1),
+        positions,
+        span_end,
+        trunk_end,
+        branch_start,
+        q,
+        k,
+        v,
+    )

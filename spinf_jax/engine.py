@@ -26,7 +26,7 @@ from spinf_jax.loader import DEFAULT_MODEL, Model, load_model
 from spinf_jax.models.layers import TreeBatch, by_rows
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, content_trees, pack
 
-ENGINE_VERSION = "1"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
+ENGINE_VERSION = "2"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
 LOW_OPTION_MASS = 0.05
 
 
@@ -128,7 +128,8 @@ class Engine:
         return Buckets(tuple(s for s in self.buckets.sizes if s >= size), self.buckets.block)
 
     def _pass_args(self, p: Pass) -> tuple:
-        batch = TreeBatch(*map(jnp.asarray, (p.tokens, p.positions, p.span_end, p.tree_start_block)))
+        arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)
+        batch = TreeBatch(*map(jnp.asarray, arrays))
         return self.model.params, batch, p.read_rows, p.target_read, p.target_token
 
     def _run_pass(self, p: Pass) -> np.ndarray:

@@ -1,8 +1,10 @@
 """Token trees: one read of a content, a branch per question, a sub-branch per option prefix.
 
-A tree is laid out depth-first: the trunk (BOS + content), then each question's filled template, each
+A tree is laid out depth-first: the trunk (BOS + content), then each question's branch: its filled template
 followed by its option trie. Token positions continue from the parent (a branch token's position is its
 depth), and each token's span covers its subtree, which is all the attention mask needs (TreeBatch).
+Attention also needs to know where the trunk ends and where each row's branch starts: it reads the trunk
+and the row's own branch separately, so that a question's scores do not depend on its companions.
 
 An option's log-probability is the sum of reads: log P(o1) at the template's last token, then
 log P(o_{j+1}) at the trie node of o_1..o_j. The trie holds each option's tokens except its last, shared
@@ -28,6 +30,8 @@ class Tree:
     read_rows: list[int] = field(default_factory=list)  # rows whose next-token distribution is read
     targets: list[tuple[int, int]] = field(default_factory=list)  # (index into read_rows, token id)
     options: list[list[list[int]]] = field(default_factory=list)  # [question][option] → target indices
+    # First row of the branch each row belongs to (row + 1 for trunk rows, which belong to none).
+    branch_start: list[int] = field(default_factory=list)
     trunk_tokens: int = 0
 
     def __len__(self) -> int:
@@ -37,6 +41,7 @@ class Tree:
         self.tokens.append(token)
         self.positions.append(position)
         self.span_end.append(0)  # set when the token's subtree is complete
+        self.branch_start.append(len(self.tokens))
         return len(self.tokens) - 1
 
 
@@ -69,6 +74,7 @@ def build_tree(prefix: list[int], content_ids: list[int], questions: list[Questi
         if slot_row < 0:
             raise ValueError("nothing to read the options after: empty content and template, and no BOS")
         _add_option_trie(tree, q.option_ids, slot_row, depth, read)
+        tree.branch_start[start:] = [start] * (len(tree.tokens) - start)
         # Template tokens are one chain; its span (and the trie below it) ends here.
         for row in range(start, start + len(q.template_ids)):
             tree.span_end[row] = len(tree.tokens)

@@ -57,6 +57,8 @@ class Pass:
     tokens: np.ndarray  # [size]
     positions: np.ndarray  # [size]
     span_end: np.ndarray  # [size]
+    trunk_end: np.ndarray  # [size]
+    branch_start: np.ndarray  # [size]
     tree_start_block: np.ndarray  # [size // block]
     read_rows: np.ndarray  # [max_reads] rows of the pass (padding reads row 0)
     target_read: np.ndarray  # [max_targets] index into read_rows
@@ -124,6 +126,8 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
     tokens = np.zeros(size, np.int32)
     positions = np.zeros(size, np.int32)
     span_end = np.arange(1, size + 1, dtype=np.int32)  # padding sees only itself
+    trunk_end = span_end.copy()
+    branch_start = span_end.copy()
     tree_start_block = np.arange(size // block, dtype=np.int32)
     read_rows = np.zeros(buckets.max_reads(size), np.int32)
     target_read = np.zeros(buckets.max_targets(size), np.int32)
@@ -135,6 +139,8 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
         tokens[offset : offset + n] = tree.tokens
         positions[offset : offset + n] = tree.positions
         span_end[offset : offset + n] = np.asarray(tree.span_end) + offset
+        trunk_end[offset : offset + n] = offset + tree.trunk_tokens
+        branch_start[offset : offset + n] = np.asarray(tree.branch_start) + offset
         first, end = offset // block, buckets.aligned(offset + n) // block
         tree_start_block[first:end] = first
         read_rows[n_reads : n_reads + len(tree.read_rows)] = np.asarray(tree.read_rows, np.int32) + offset
@@ -152,6 +158,8 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
         tokens,
         positions,
         span_end,
+        trunk_end,
+        branch_start,
         tree_start_block,
         read_rows,
         target_read,

@@ -26,14 +26,19 @@ class TreeBatch:
     see each other; and nothing spans past its own tree, so packed contents never see their neighbours.
     A plain sequence is the special case span_end[j] = T for all j. Padding spans only itself.
 
-    Attention runs over blocks of T // len(tree_start_block) tokens. Trees start on block boundaries and each
-    query block reads keys from its own tree's first block on, which is what makes a tree's results the same
-    bits wherever it is packed (pallas_kernels.tree_attention.blockwise).
+    Attention reads a row's keys in two parts (pallas_kernels.tree_attention): the trunk of its tree, in key
+    blocks of T // len(tree_start_block) tokens counted from the tree's first block (trees start on block
+    boundaries), then the row's own branch (one question: its template and option trie), in key blocks
+    counted from the branch's first row. Each reduction then sees the same keys at the same offsets however
+    the tree is packed and whatever other questions it holds, which is what makes a (content, question)
+    score the same bits in any pass.
     """
 
     tokens: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32: depth in the tree, i.e. position in the equivalent linear sequence
     span_end: jax.Array  # [T] int32
+    trunk_end: jax.Array  # [T] int32: end of the trunk of the row's tree (i + 1 for padding)
+    branch_start: jax.Array  # [T] int32: first row of the row's branch (i + 1 for trunk rows and padding)
     tree_start_block: jax.Array  # [T // block] int32: first block of the tree each block belongs to
 
     @property
@@ -52,14 +57,15 @@ class TreeBatch:
         tokens = np.zeros(total, np.int32)
         positions = np.zeros(total, np.int32)
         span_end = np.arange(1, total + 1, dtype=np.int32)  # a padding token sees only itself
+        trunk_end = span_end.copy()
         for start, seq in zip(starts, sequences, strict=True):
             end = start + len(seq)
             tokens[start:end] = seq
             positions[start:end] = np.arange(len(seq))
             span_end[start:end] = end
-        batch = TreeBatch(
-            *map(jnp.asarray, (tokens, positions, span_end, np.zeros(total // block, np.int32)))
-        )
+            trunk_end[start:end] = end  # a plain sequence is all trunk
+        arrays = (tokens, positions, span_end, trunk_end, np.arange(1, total + 1, dtype=np.int32))
+        batch = TreeBatch(*map(jnp.asarray, arrays), jnp.zeros(total // block, jnp.int32))
         return batch, starts
 
     @staticmethod
@@ -71,7 +77,8 @@ class TreeBatch:
 def tree_attention(q, k, v, batch: TreeBatch, *, scale: float, window: int | None = None) -> jax.Array:
     """q [T, H, D], k/v [T, K, D] → [T, H, D] under the tree mask of `batch`: the Pallas kernel on GPUs,
     its pure-JAX twin (the same visiting order) elsewhere."""
-    args = (q, k, v, batch.positions, batch.span_end, batch.tree_start_block)
+    b = batch
+    args = (q, k, v, b.positions, b.span_end, b.trunk_end, b.branch_start, b.tree_start_block)
     attend = kernel if jax.default_backend() == "gpu" else blockwise
     return attend(*args, scale=scale, window=window, block=batch.block)
 

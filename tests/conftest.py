@@ -1,5 +1,16 @@
 import os
 
+import pytest
+
 # Tests run on the CPU with f32 matmuls at full precision, whatever machine they are on.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+
+@pytest.fixture(scope="session")
+def gemma_engine():
+    """The default model (Gemma 3 270M) in fp32, shared by the engine and server tests (it compiles once)."""
+    from spinf_jax.engine import Engine
+    from spinf_jax.packer import Buckets
+
+    return Engine.load("spinf/gemma-3-270m", "fp32", buckets=Buckets((256, 512, 1024), block=64))

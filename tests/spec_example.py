@@ -40,3 +40,52 @@ def without_extraction() -> dict:
     del body["packs"]
     body["scoring"]["queries"] = [q for q in body["scoring"]["queries"] if not q["template"].endswith("{*}")]
     return body
+
+
+# Questions of every shape a request can hold, for the companion-invariance tests: options of one and of
+# several tokens (sharing prefixes), a placeholder grid, a list of combinations, a question asked twice
+# under two ids, and a long template.
+QUERY_POOL = [
+    *without_extraction()["scoring"]["queries"],
+    {
+        "id": "city",
+        "template": "\n\nWhich city is the customer in?\nCity:{?}",
+        "options": [" New York", " New Jersey", " New Orleans", " Boston", " San Francisco"],
+    },
+    {
+        "id": "product",
+        "template": "\n\nIs this about {product}?\nAnswer:{?}",
+        "options": [" yes", " no", " not sure"],
+        "combinations": [
+            {"product": "a credit card"},
+            {"product": "a subscription"},
+            {"product": "a parcel"},
+        ],
+    },
+    {
+        "id": "refund_again",
+        "template": "\n\nIs the customer asking for a refund?\nAnswer:{?}",
+        "options": [" yes", " no"],
+    },
+    {
+        "id": "long",
+        "template": "\n\nRead the message again, carefully, and think about what the customer wants most, "
+        "what they already tried, whether they sound angry, and whether a human should answer. Urgent?{?}",
+        "options": [" yes", " no"],
+    },
+]
+
+
+def scores_by_question(response: dict) -> dict:
+    """{(input_id, query id, combination values): (option logprobs, p, floor_p, residuals)} of a response."""
+    out = {}
+    for result in response["results"]:
+        for query in result["queries"]:
+            for combo in query["combinations"]:
+                key = (result["input_id"], query["id"], tuple(sorted(combo["values"].items())))
+                out[key] = (
+                    [(o["text"], o["logprob"], o["p"], o.get("floor_p")) for o in combo["options"]],
+                    combo["residual"],
+                    combo.get("floor_residual"),
+                )
+    return out

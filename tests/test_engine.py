@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spinf_jax.compiler import ScoringError
 from spinf_jax.engine import Engine
@@ -16,7 +18,7 @@ from spinf_jax.models.layers import TreeBatch
 from spinf_jax.models.params import abstract
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision
-from tests.spec_example import without_extraction
+from tests.spec_example import QUERY_POOL, scores_by_question, without_extraction
 
 SPEC_EXAMPLE = without_extraction()
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
@@ -28,8 +30,15 @@ OTHER_TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return Engine.load("spinf/gemma-3-270m", "fp32", buckets=Buckets((256, 512, 1024), block=64))
+def engine(gemma_engine):
+    return gemma_engine
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def engine_in(request, gemma_engine):
+    if request.param == "fp32":
+        return gemma_engine
+    return Engine.load("spinf/gemma-3-270m", request.param, buckets=Buckets((512, 1024), block=64))
 
 
 def _options(response, input_index, query_id, combination=0):
@@ -106,6 +115,46 @@ def test_content_scores_bit_identical_alone_packed_other_bucket_and_calls(engine
     other_buckets = Engine(engine.model, Buckets((1024, 2048), block=64))
     assert other_buckets.score(SPEC_EXAMPLE)["results"][0]["queries"] == alone
     assert engine.score(SPEC_EXAMPLE)["results"][0]["queries"] == alone
+
+
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_question_scores_bit_identical_whatever_else_is_asked(engine_in, data):
+    """A (content, question, combination, option) score is the same bits whatever else the request asks:
+    a subset of the questions in another order, the questions picked by `query_ids` or given per input,
+    other inputs around it; and the floor is the same too."""
+    message = SPEC_EXAMPLE["messages"]
+    everything = {"messages": message, "scoring": {"queries": QUERY_POOL}}
+    want = {key[1:]: value for key, value in scores_by_question(engine_in.score(everything)).items()}
+    picked = data.draw(
+        st.lists(st.sampled_from(QUERY_POOL), min_size=1, max_size=5, unique_by=lambda q: q["id"])
+    )
+    ids = [q["id"] for q in picked]
+    n_others = data.draw(st.integers(0, 3), label="other inputs")
+    order = data.draw(st.permutations(range(n_others + 1)), label="input order")
+    for how in ("queries", "query_ids", "own queries"):
+        target = {"id": "target", "messages": message}
+        if how == "query_ids":
+            target["query_ids"], queries = ids, QUERY_POOL
+        elif how == "own queries":
+            target["queries"], queries = picked, []
+        else:
+            queries = picked
+        inputs = [target]
+        for i, text in enumerate(OTHER_TEXTS[:n_others]):  # each asked one question, the same way
+            other = {"id": f"o{i}", "messages": [{"role": "user", "content": text}]}
+            question = QUERY_POOL[(i * 3) % len(QUERY_POOL)]
+            if how == "query_ids":
+                other["query_ids"] = [question["id"]]
+            elif how == "own queries":
+                other["queries"] = [question]
+            inputs.append(other)
+        body = {"inputs": [inputs[k] for k in order], "scoring": {"queries": queries}}
+        got = scores_by_question(engine_in.score(body))
+        mine = {key[1:]: value for key, value in got.items() if key[0] == "target"}
+        assert {key[0] for key in mine} == set(ids)
+        for key, value in mine.items():
+            assert value == want[key], (how, key)
 
 
 def test_floor_equals_scoring_empty_content(engine):

@@ -12,10 +12,11 @@ import pytest
 
 from pallas_kernels.tree_attention import kernel, reference
 from spinf_jax.engine import Engine
-from spinf_jax.layout import QuestionKey, build_tree
+from spinf_jax.layout import build_tree
 from spinf_jax.loader import load_model
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision, linear, quantize
+from tests.trees import POOL, lay_out
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
@@ -29,32 +30,42 @@ def test_fp8_weights_use_cublaslt_fp8_gemm():
 
 @pytest.mark.parametrize(("head_dim", "window"), [(512, None), (256, None), (256, 100), (128, None)])
 def test_kernel_matches_reference(head_dim, window):
-    t, block = 1024, 128
-    positions = np.arange(t, dtype=np.int32) % 512
-    span_end = np.where(np.arange(t) < 512, 512, t).astype(np.int32)  # two chains of 512
-    start = np.repeat([0, 4], 4).astype(np.int32)
+    # A 600-token chain, then a tree of a 300-token trunk and every question of the pool (tries, a long and
+    # an empty template), at the engine's block size.
+    chain = build_tree([2], list(range(5, 605)), [])
+    branched = build_tree([2], list(range(5, 305)), POOL)
+    (positions, span_end, trunk_end, branch_start, start), _ = lay_out([chain, branched], 128, 10)
+    t = positions.shape[0]
     keys = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(keys[0], (t, 8, head_dim), jnp.bfloat16)
     k = jax.random.normal(keys[1], (t, 2, head_dim), jnp.bfloat16)
     v = jax.random.normal(keys[2], (t, 2, head_dim), jnp.bfloat16)
-    got = kernel(q, k, v, positions, span_end, start, scale=head_dim**-0.5, window=window, block=block)
-    want = reference(q, k, v, positions, span_end, scale=head_dim**-0.5, window=window)
+    args = (q, k, v, positions, span_end)
+    got = kernel(*args, trunk_end, branch_start, start, scale=head_dim**-0.5, window=window, block=128)
+    want = reference(*args, scale=head_dim**-0.5, window=window)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.02)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3", "gemma4-e2b"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_scores_bit_identical_across_packing_and_buckets(family, precision):
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_scores_bit_identical_across_packing_buckets_and_companions(family, precision):
     # Without row tiles this failed on the H200 (f32 GEMM and fused RMSNorm rows, and Qwen3 in bf16, differed
-    # between 512- and 2,048-row programs); the default GPU row tile is what makes it pass.
+    # between 512- and 2,048-row programs); the default GPU row tile is what makes it pass. Without the
+    # separate branch part of attention, the companion check failed (questions at other offsets).
     model = load_model(str(TINY / family), precision)
-    questions = [QuestionKey((11, 12, 13), ((40,), (41,))), QuestionKey((14,) * 20, ((50, 51, 52), (53,)))]
     rng = np.random.default_rng(0)
-    target = build_tree([2], rng.integers(5, 500, 300).tolist(), questions)
-    others = [build_tree([2], rng.integers(5, 500, 100 + 57 * i).tolist(), questions) for i in range(6)]
+    content = rng.integers(5, 500, 300).tolist()
+    target = build_tree([2], content, POOL)
+    others = [build_tree([2], rng.integers(5, 500, 100 + 57 * i).tolist(), POOL[i:]) for i in range(6)]
     engine = Engine(model, Buckets((2048, 4096)))
-    alone = engine.score_trees([target])[0].logprobs
+    alone = engine.score_trees([target])[0]
     packed = engine.score_trees([*others, target])[-1].logprobs
     bigger = Engine(model, Buckets((4096,))).score_trees([target])[0].logprobs
-    np.testing.assert_array_equal(packed, alone)
-    np.testing.assert_array_equal(bigger, alone)
+    np.testing.assert_array_equal(packed, alone.logprobs)
+    np.testing.assert_array_equal(bigger, alone.logprobs)
+    for seed in range(4):  # a random subset of the questions, in a random order, with other trees around
+        order = np.random.default_rng(seed).permutation(len(POOL))[: 2 + seed * 3]
+        subset = build_tree([2], content, [POOL[i] for i in order])
+        scored = engine.score_trees([others[seed], subset, others[seed + 1]])[1]
+        for j, i in enumerate(order):
+            np.testing.assert_array_equal(scored.option_logprobs(j), alone.option_logprobs(i))

@@ -1,15 +1,19 @@
 """Trees, packing and invariance at the token level (no text): tiny fixtures of every stack, fp32, CPU."""
 
+import functools
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spinf_jax.engine import Engine
 from spinf_jax.layout import QuestionKey, build_tree
 from spinf_jax.loader import load_model
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.packer import Buckets, content_trees, pack
+from tests.trees import POOL
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 BOS = 2
@@ -20,9 +24,22 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3", "gemma4", "gemma4-e2b", "gemma4-keqv"])
+FAMILIES = ["gemma3", "qwen3", "gemma4", "gemma4-e2b", "gemma4-keqv"]
+
+
+@functools.cache
+def _engine(family: str, precision: str) -> Engine:
+    return Engine(load_model(str(TINY / family), precision), Buckets((256, 512, 1024), block=32))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def engine(request):
-    return Engine(load_model(str(TINY / request.param), "fp32"), Buckets((256, 512, 1024), block=32))
+    return _engine(request.param, "fp32")
+
+
+@pytest.fixture(scope="module", params=[(f, p) for f in FAMILIES for p in ("fp32", "bf16")], ids=str)
+def any_engine(request):
+    return _engine(*request.param)
 
 
 def _sequence_logprob(model, ids: list[int], option: tuple[int, ...]) -> float:
@@ -58,6 +75,52 @@ def test_scores_bit_identical_alone_packed_and_in_other_buckets(engine):
     again = engine.score_trees([target])[0].logprobs
     for other in (packed_last, packed_middle, bigger_bucket, again):
         np.testing.assert_array_equal(other, alone)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_question_scores_bit_identical_whatever_else_is_asked(any_engine, data):
+    """A (content, question) score is the same bits whatever other questions the content is asked, in any
+    order, duplicated, whatever else shares the pass (another content, the same content with other questions,
+    empty content), in any bucket; and a question's floor is its score on empty content among others."""
+    content = _content(11, 37)
+    full = any_engine.score_trees([build_tree([BOS], content, POOL)])[0]
+    want = {q: full.option_logprobs(i) for i, q in enumerate(POOL)}
+    floors = {}
+    picked = data.draw(st.lists(st.sampled_from(POOL), min_size=1, max_size=12), label="questions")
+    neighbour = data.draw(st.sampled_from(["none", "other content", "same content", "empty content"]))
+    target = build_tree([BOS], content, picked)
+    companions = {
+        "none": [],
+        "other content": [build_tree([BOS], _content(12, 90), POOL[::2])],
+        "same content": [build_tree([BOS], content, POOL[::-3])],
+        "empty content": [build_tree([BOS], [], picked[::-1])],
+    }[neighbour]
+    before = data.draw(st.booleans(), label="companions first")
+    trees = [*companions, target] if before else [target, *companions]
+    scored = any_engine.score_trees(trees)[len(companions) if before else 0]
+    for i, q in enumerate(picked):
+        np.testing.assert_array_equal(scored.option_logprobs(i), want[q], err_msg=str(q))
+    if neighbour == "empty content":
+        on_empty = any_engine.score_trees(trees)[0 if before else 1]
+        for i, q in enumerate(picked[::-1]):
+            if q not in floors:
+                floors[q] = any_engine.score_trees([build_tree([BOS], [], [q])])[0].option_logprobs(0)
+            np.testing.assert_array_equal(on_empty.option_logprobs(i), floors[q], err_msg=str(q))
+
+
+def test_content_split_across_trees_scores_the_same_bits():
+    """A content whose questions overflow the largest bucket is read once per tree; each question's score is
+    the same as when all of them fit in one tree."""
+    engine = _engine("gemma3", "fp32")
+    content = _content(13, 60)
+    questions = POOL * 3
+    one_tree = engine.score_trees([build_tree([BOS], content, questions)])[0]
+    split = content_trees([BOS], content, questions, Buckets((256,), block=32))
+    assert len(split) > 1
+    for (tree, first), scored in zip(split, engine.score_trees([t for t, _ in split]), strict=True):
+        for i in range(len(tree.options)):
+            np.testing.assert_array_equal(scored.option_logprobs(i), one_tree.option_logprobs(first + i))
 
 
 def test_floor_equals_empty_content(engine):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from spinf_jax.engine import Engine
 from spinf_jax.packer import Buckets
 from spinf_jax.server.app import Settings, create_app
-from tests.spec_example import without_extraction
+from tests.spec_example import QUERY_POOL, scores_by_question, without_extraction
 
 MODEL = "spinf/smollm2-135m-instruct"
 BODY = {**without_extraction(), "model": MODEL}
@@ -66,6 +66,51 @@ def strict_url(engine):
     yield url
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def default_url(gemma_engine):
+    """`spinf-jax serve` on the default model (fp32 here, small buckets: the CPU)."""
+    server, thread, url = _serve(create_app(Settings("spinf/gemma-3-270m"), gemma_engine))
+    yield url
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_default_model_same_bits_however_a_question_is_asked(default_url):
+    messages = BODY["messages"]
+    asked = ["refund", "city", "sentiment_about"]
+    others = [
+        {
+            "id": f"other{i}",
+            "messages": [{"role": "user", "content": t}],
+            "query_ids": [QUERY_POOL[i % 7]["id"]],
+        }
+        for i, t in enumerate(TEXTS + TEXTS[:7])
+    ]
+    target = {"id": "target", "messages": messages, "query_ids": asked}
+    bodies = {
+        "alone": [
+            {"messages": messages, "scoring": {"queries": [q]}} for q in QUERY_POOL if q["id"] in asked
+        ],
+        "among all the questions": [{"messages": messages, "scoring": {"queries": QUERY_POOL[::-1]}}],
+        "via query_ids": [{"inputs": [target], "scoring": {"queries": QUERY_POOL}}],
+        "in a 20-input batch": [
+            {"inputs": [*others[:8], target, *others[8:]], "scoring": {"queries": QUERY_POOL}}
+        ],
+    }
+    seen = {}
+    for how, requests in bodies.items():
+        scores = {}
+        for body in requests:
+            r = httpx.post(f"{default_url}/v1/score", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["results"]) == len(body.get("inputs", [0]))
+            scores |= {k[1:]: v for k, v in scores_by_question(r.json()).items() if k[0] in ("0", "target")}
+        mine = {k: v for k, v in scores.items() if k[0] in asked}
+        assert {k[0] for k in mine} == set(asked), how
+        for key, value in mine.items():
+            assert value == seen.setdefault(key, value), (how, key)
 
 
 def _error(response, status, code, param=None):

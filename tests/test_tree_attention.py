@@ -1,5 +1,7 @@
 """The tree mask is the product's core promise: a token sees its own content's trunk and its ancestors."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,8 @@ import pytest
 
 from pallas_kernels.late_map import late_map
 from pallas_kernels.tree_attention import blockwise, kernel, reference, tree_mask
+from spinf_jax.layout import QuestionKey, Tree, build_tree
+from tests.trees import lay_out
 
 
 def _qkv(t, h=4, k=2, d=16, seed=0):
@@ -59,77 +63,104 @@ def test_sliding_window_counts_tree_positions():
     assert mask[6].nonzero()[0].tolist() == [5, 6]
 
 
-def _packed_trees(trees, block, total_blocks):
-    """Lay out (positions, span_end-relative) trees at block boundaries; returns arrays and tree offsets."""
-    t = total_blocks * block
-    positions = np.zeros(t, np.int32)
-    span_end = np.arange(1, t + 1, dtype=np.int32)
-    start_block = np.arange(total_blocks, dtype=np.int32)
-    offsets, cursor = [], 0
-    for pos, rel_end in trees:
-        n = len(pos)
-        positions[cursor : cursor + n] = pos
-        span_end[cursor : cursor + n] = np.asarray(rel_end) + cursor
-        first, last = cursor // block, (cursor + n - 1) // block
-        start_block[first : last + 1] = first
-        offsets.append(cursor)
-        cursor += -(-n // block) * block
-    return jnp.asarray(positions), jnp.asarray(span_end), jnp.asarray(start_block), offsets
+BRANCHES = [
+    QuestionKey((11, 12, 13), ((40,), (41,))),
+    QuestionKey((14, 15), ((50, 51, 52), (50, 51, 53), (50, 60), (70,))),  # a trie of option prefixes
+    QuestionKey((16,) * 9, ((80, 81), (82, 83, 84, 85))),
+    QuestionKey((), ((90, 91, 92), (93,))),  # no template: the trie hangs off the trunk's last token
+]
 
 
-def test_blockwise_matches_reference_and_is_invariant():
-    block = 4
-    tree_a = ([0, 1, 2, 3, 4, 5, 4, 5], [8, 8, 8, 8, 6, 6, 8, 8])  # trunk 4, two branches of 2
-    tree_b = ([0, 1, 2, 3, 4], [5] * 5)
-    q, k, v = _qkv(40, seed=3)
-    for layout, blocks in (([tree_a], 2), ([tree_b, tree_a], 10), ([tree_b, tree_b, tree_a], 10)):
-        positions, span_end, start_block, offsets = _packed_trees(layout, block, blocks)
-        t = blocks * block
-        args = (q[:t], k[:t], v[:t], positions, span_end)
-        got = blockwise(*args, start_block, scale=0.25, window=3, block=block)
-        np.testing.assert_allclose(got, reference(*args, scale=0.25, window=3), rtol=1e-5, atol=1e-5)
+def _rows_of(tree: Tree, questions: list[QuestionKey]) -> list[tuple]:
+    """A name for each row that does not depend on the companions: (content, "trunk", index) or (content,
+    question, row in its branch)."""
+    content = tuple(tree.tokens[: tree.trunk_tokens])
+    names = [(content, "trunk", i) for i in range(tree.trunk_tokens)]
+    for row in range(tree.trunk_tokens, len(tree)):
+        first = tree.branch_start[row]
+        q = sum(1 for r in range(tree.trunk_tokens, first + 1) if tree.branch_start[r] == r)
+        names.append((content, questions[q - 1], row - first))
+    return names
 
 
-def test_blockwise_bit_identical_across_layouts():
-    """A tree's outputs are the same bits wherever it sits, whatever is packed around it, in any pass size."""
-    block = 4
-    tree = ([0, 1, 2, 3, 4, 5, 4, 5], [8, 8, 8, 8, 6, 6, 8, 8])
-    other = ([0, 1, 2, 3, 4], [5] * 5)
-    qa, ka, va = _qkv(8, seed=5)
-    qo, ko, vo = _qkv(8, seed=6)
-    outs = []
-    for layout, blocks in (([tree], 2), ([other, tree], 6), ([other, other, tree], 12), ([tree, other], 4)):
-        positions, span_end, start_block, offsets = _packed_trees(layout, block, blocks)
-        t = blocks * block
-        q, k, v = (
-            np.zeros((t, 4, 16), np.float32),
-            np.zeros((t, 2, 16), np.float32),
-            np.zeros((t, 2, 16), np.float32),
+def _inputs(names: list, t: int, h=4, k=2, d=16, dtype=jnp.float32):
+    """q, k, v rows drawn from each row's name: the same name gets the same values in any layout."""
+    q, kk, v = (
+        np.zeros((t, h, d), np.float32),
+        np.zeros((t, k, d), np.float32),
+        np.zeros((t, k, d), np.float32),
+    )
+    for row, name in enumerate(names):
+        if name is None:
+            continue
+        rng = np.random.default_rng(abs(hash(name)) % 2**32)
+        q[row], kk[row], v[row] = (
+            rng.standard_normal((h, d)),
+            rng.standard_normal((k, d)),
+            rng.standard_normal((k, d)),
         )
-        for (pos, _), off in zip(layout, offsets, strict=True):
-            src = (qa, ka, va) if pos is tree[0] else (qo, ko, vo)
-            for dst, s in zip((q, k, v), src, strict=True):
-                dst[off : off + len(pos)] = np.asarray(s)[: len(pos)]
-        out = blockwise(q, k, v, positions, span_end, start_block, scale=0.25, window=None, block=block)
-        off = offsets[[i for i, (pos, _) in enumerate(layout) if pos is tree[0]][0]]
-        outs.append(np.asarray(out[off : off + 8]))
-    for other_out in outs[1:]:
-        np.testing.assert_array_equal(other_out, outs[0])
+    return tuple(jnp.asarray(x, dtype) for x in (q, kk, v))
+
+
+def _attend(impl, trees, questions, block, total_blocks, window, **kwargs):
+    """Lay trees out, run an implementation, and return every tree's rows keyed by their names."""
+    arrays, offsets = lay_out(trees, block, total_blocks)
+    names = [None] * (total_blocks * block)
+    for tree, qs, off in zip(trees, questions, offsets, strict=True):
+        names[off : off + len(tree)] = _rows_of(tree, qs)
+    q, k, v = _inputs(names, total_blocks * block)
+    out = np.asarray(impl(q, k, v, *arrays, scale=0.25, window=window, block=block, **kwargs))
+    want = np.asarray(reference(q, k, v, *arrays[:2], scale=0.25, window=window))
+    return {name: row for name, row in zip(names, out, strict=True) if name}, out, want
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_blockwise_matches_reference(window):
+    trees = [build_tree([2], list(range(30, 30 + n)), BRANCHES[i:]) for i, n in enumerate((4, 9, 1))]
+    _, got, want = _attend(blockwise, trees, [BRANCHES[i:] for i in range(3)], 4, 40, window)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _companion_layouts():
+    """One content asked its questions in four ways (all; a subset in another order; one alone; each
+    question twice), alone or after another tree; each layout as (trees, their questions)."""
+    target, other = list(range(30, 37)), list(range(60, 65))
+    asks = [BRANCHES, [BRANCHES[2], BRANCHES[0]], [BRANCHES[1]], [*BRANCHES, *BRANCHES], [BRANCHES[3]]]
+    for questions in asks:
+        for before in ([], [(other, BRANCHES[1:3])]):
+            layout = [*before, (target, questions)]
+            yield [build_tree([2], c, qs) for c, qs in layout], [qs for _, qs in layout]
+
+
+@pytest.mark.parametrize(
+    "impl",
+    [blockwise, partial(kernel, tile=4, interpret=True)],
+    ids=["blockwise", "kernel-interpret"],
+)
+def test_rows_bit_identical_whatever_the_companions(impl):
+    """A row's output depends on its content and its own question only: not on the other questions of its
+    content, their order, duplicates, where its tree sits, or what is packed before it."""
+    seen: dict = {}
+    for trees, questions in _companion_layouts():
+        rows, got, want = _attend(impl, trees, questions, 8, 20, window=5)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        for name, row in rows.items():
+            np.testing.assert_array_equal(row, seen.setdefault(name, row), err_msg=str(name))
+    assert len(seen) > 50
 
 
 @pytest.mark.parametrize(("block", "tile", "head_dim"), [(16, 16, 32), (32, 16, 32), (64, None, 512)])
 def test_pallas_kernel_matches_reference_in_interpret_mode(block, tile, head_dim):
     """The GPU kernel, run by Pallas' interpreter on the CPU, against the pure-JAX definition (head_dim 512
     is Gemma 4's global layers: it takes the 32-row tiles)."""
-    trunk_and_branches = ([0, 1, 2, 3, 4, 5, 4, 5, *range(6, 30)], [32] * 4 + [6, 6] + [32] * 26)
-    chain = (list(range(20)), [20] * 20)
+    chain = build_tree([2], list(range(30, 49)), [])
+    branched = build_tree([2], list(range(50, 54)), BRANCHES)
     total = 128 if block == 64 else 96
-    positions, span_end, start_block, _ = _packed_trees([chain, trunk_and_branches], block, total // block)
+    arrays, _ = lay_out([chain, branched], block, total // block)
     q, k, v = _qkv(total, h=4, k=2, d=head_dim, seed=1)
     for window in (None, 5):
-        expected = reference(q, k, v, positions, span_end, scale=0.2, window=window)
-        args = (q, k, v, positions, span_end, start_block)
-        got = kernel(*args, scale=0.2, window=window, block=block, tile=tile, interpret=True)
+        expected = reference(q, k, v, *arrays[:2], scale=0.2, window=window)
+        got = kernel(q, k, v, *arrays, scale=0.2, window=window, block=block, tile=tile, interpret=True)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -74,6 +74,21 @@ def seed_request(job: dict, empty_floor: bool = True) -> dict:
     }
 
 
+def companions_agree(engine, request: dict, response: dict) -> bool:
+    """Whether the scores of `response` (the whole job) come back with the same bits when the first article
+    is asked every other question and the last one 4 questions in another order, in one request."""
+    ids = [q["id"] for q in request["scoring"]["queries"]]
+    first, last = request["inputs"][0], request["inputs"][-1]
+    fewer = engine.score(
+        {
+            **request,
+            "inputs": [{**first, "query_ids": ids[::2]}, {**last, "query_ids": ids[::-14][:4]}],
+        }
+    )["results"]
+    whole = {r["input_id"]: {q["id"]: q for q in r["queries"]} for r in response["results"]}
+    return all(q == whole[r["input_id"]][q["id"]] for r in fewer for q in r["queries"])
+
+
 def timed(fn, *args, repeats: int = 5) -> float:
     """Median seconds of `fn(*args)` after one warm-up call."""
     jax.block_until_ready(fn(*args))

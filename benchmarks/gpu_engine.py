@@ -19,13 +19,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tokenizers
-from common import GEMMA3_12B, SyntheticCheckpoint, gemm_peaks, linear_params, seed_job, seed_request, timed
+from common import (
+    GEMMA3_12B,
+    SyntheticCheckpoint,
+    companions_agree,
+    gemm_peaks,
+    linear_params,
+    seed_job,
+    seed_request,
+    timed,
+)
 
 from pallas_kernels.tree_attention import blockwise, kernel, reference
 from spinf_jax.engine import Engine
+from spinf_jax.layout import QuestionKey, build_tree
 from spinf_jax.loader import Model, load_weights
 from spinf_jax.models import family_for
-from spinf_jax.packer import Buckets
+from spinf_jax.packer import Buckets, pack
 from spinf_jax.quant import Precision, linear, quantize
 from spinf_jax.tokenizer import Tokenizer
 
@@ -33,25 +43,14 @@ from spinf_jax.tokenizer import Tokenizer
 def check_kernel(results: dict) -> None:
     """Kernel vs pure-JAX twin vs dense reference on a pack of trees at head_dim 256 and 128."""
     rng = np.random.default_rng(0)
-    t, block = 4096, 128
-    positions, span_end, start = (
-        np.zeros(t, np.int32),
-        np.arange(1, t + 1, dtype=np.int32),
-        np.arange(t // block),
-    )
-    cursor = 0
-    while cursor + 600 <= t:  # trees: a 400-token trunk and 10 branches of 20
-        n = 600
-        positions[cursor : cursor + 400] = np.arange(400)
-        span_end[cursor : cursor + 400] = cursor + n
-        for b in range(10):
-            s = cursor + 400 + 20 * b
-            positions[s : s + 20] = np.arange(400, 420)
-            span_end[s : s + 20] = s + 20
-        first = cursor // block
-        start[first : -(-(cursor + n) // block)] = first
-        cursor += -(-n // block) * block
-    args = tuple(map(jnp.asarray, (positions, span_end, start)))
+    block = 128
+    # Trees of a 400-token trunk and 10 questions of 19 tokens with two one-token options, as the packer
+    # lays them out in a 4,096-token pass.
+    questions = [QuestionKey((100 + i,) * 19, ((1,), (2,))) for i in range(10)]
+    trees = [build_tree([2], rng.integers(5, 500, 399).tolist(), questions) for _ in range(6)]
+    [p] = pack(trees, Buckets((4096,), block))
+    t = p.size
+    args = tuple(map(jnp.asarray, (p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)))
     out = []
     for d, heads, kv, window in ((256, 16, 8, None), (256, 16, 8, 1024), (128, 32, 8, None)):
         q = jnp.asarray(rng.standard_normal((t, heads, d)), jnp.bfloat16)
@@ -181,6 +180,7 @@ def main() -> None:
 
     last = len(request["inputs"]) - 1
     results["invariance"] = {
+        "companions_equal_packed": companions_agree(engine, request, first),
         "reversed_equals_packed": all(r == by_id[r["input_id"]] for r in reversed_job),
         "first_alone_equals_packed": alone(engine, 0) == first["results"][0],
         "last_alone_equals_packed": alone(engine, last) == first["results"][last],

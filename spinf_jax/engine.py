@@ -105,6 +105,7 @@ class Engine:
                         ENGINE_VERSION,
                         jax.__version__,
                         jax.default_backend(),
+                        jax.devices()[0].device_kind,  # another GPU model may compile other kernels
                     ]
                 ).encode()
             ).hexdigest()[:16]

@@ -28,6 +28,7 @@ from spinf_jax.loader import Model
 from spinf_jax.models import gemma3
 from spinf_jax.packer import Buckets, pack
 from spinf_jax.quant import Precision
+from spinf_jax.scoring import Scorer
 from spinf_jax.tokenizer import Tokenizer
 
 SLIDING_LAYERS, GLOBAL_LAYERS = 40, 8
@@ -40,7 +41,7 @@ def seed_pass(tokenizer: str):
     # The plan needs the tokenizer and the buckets only; no weights are touched.
     model = Model("layout-only", gemma3, cfg, Precision.BF16, {}, tok, digest="none")
     engine = Engine(model, Buckets((16384,)))
-    plan = engine.plan(seed_request(seed_job(), empty_floor=False))
+    plan = Scorer(engine).plan(seed_request(seed_job(), empty_floor=False))
     first = pack(plan.trees, engine.buckets)[0]
     return first, sum(len(plan.trees[i]) for i in first.tree_ids)
 

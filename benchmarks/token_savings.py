@@ -23,6 +23,7 @@ from common import seed_job, seed_request
 from spinf_jax.engine import Engine
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.packer import Buckets, pack
+from spinf_jax.scoring import Scorer
 
 
 def plain_logprob(model, ids: list[int], option: list[int]) -> float:
@@ -53,7 +54,7 @@ def main() -> None:
     tok = engine.model.tokenizer
     request = seed_request(job)
 
-    plan = engine.plan(request)  # what the first call runs: content trees, then floor trees
+    plan = Scorer(engine).plan(request)  # what the first call runs: content trees, then floor trees
     passes = pack(plan.trees, engine.buckets)
     start = time.perf_counter()
     response = engine.score(request)

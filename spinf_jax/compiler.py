@@ -44,8 +44,8 @@ class Limits:
     max_combinations: int = 1000  # per query
     max_placeholders: int = 5
     max_inputs: int = 10_000
-    # Processed tokens per request. The compiler only refuses what must exceed it whatever the packing (one
-    # token per option per question per content), which also bounds its own tokenising work.
+    # Processed tokens per request (contents, questions, floors), charged as the trees are built
+    # (spinf_jax.scoring); the compiler's own work is bounded by the body's size.
     max_request_tokens: int = 2_000_000
 
 
@@ -517,13 +517,6 @@ def compile_request(body: dict, tokenizer, limits: Limits = Limits()) -> Compile
     )
     inputs = _parse_inputs(body, shared, bool(pack_ids), limits)
 
-    least = sum(len(s.combinations) * max(1, len(s.options)) for item in inputs for s in item.specs)
-    if least > limits.max_request_tokens:
-        raise ScoringError(
-            "too_many_tokens",
-            f"the request needs at least {least} processed tokens (an option per question per content); "
-            f"the limit is {limits.max_request_tokens}",
-        )
     # A scoring query that no input asks for is checked for structure but never tokenised.
     used = list({id(spec): spec for item in inputs for spec in item.specs}.values())
     ids = _tokenize(tokenizer, inputs, used)

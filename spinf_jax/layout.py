@@ -83,6 +83,27 @@ def build_tree(prefix: list[int], content_ids: list[int], questions: list[Questi
     return tree
 
 
+def read_tree(token_ids: list[int], reads: dict[int, list[int]]) -> Tree:
+    """A plain sequence (all trunk) read at some of its rows: `reads[row]` lists the tokens whose log-probs
+    are wanted after that row. Each read is laid out as a question whose options are single tokens, so
+    `Scored.option_logprobs(i)` gives the i-th read's log-probs in the order asked (parity uses this)."""
+    tree = Tree()
+    for token in token_ids:
+        tree._push(token, len(tree.tokens))
+    tree.trunk_tokens = len(tree.tokens)
+    tree.span_end = [len(tree.tokens)] * len(tree.tokens)
+    targets: dict[tuple[int, int], int] = {}
+    for row, tokens in reads.items():
+        read = len(tree.read_rows)
+        tree.read_rows.append(row)
+        for token in tokens:
+            if (read, token) not in targets:
+                targets[read, token] = len(tree.targets)
+                tree.targets.append((read, token))
+        tree.options.append([[targets[read, token]] for token in tokens])
+    return tree
+
+
 def _add_option_trie(tree: Tree, option_ids, slot_row: int, depth: int, read) -> None:
     """Lay out the trie of option prefixes depth-first below slot_row and record every option's reads."""
     nodes: dict[tuple[int, ...], int] = {(): slot_row}  # option prefix → its row

@@ -7,14 +7,21 @@ next-token distribution is needed) and targets (token log-probs) have fixed per-
 
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
-from spinf_jax.layout import QuestionKey, Tree, build_tree
+from spinf_jax.layout import QuestionKey, Tree, build_tree, read_tree
 
 READ_CHUNK = 128
 # Reads run in two READ_CHUNKs at least (a loop that runs once is inlined and rounds differently); the
 # engine adds its own rule for its row tiles (Engine.__init__).
 MIN_BUCKET = 2 * READ_CHUNK
+
+
+def default_sizes() -> tuple[int, ...]:
+    """The bucket sizes served by default: on the CPU a 16k-token pass takes minutes, and small buckets keep
+    single requests responsive."""
+    return (2048, 4096, 8192, 16384) if jax.default_backend() != "cpu" else (256, 1024, 2048)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Pass:
     target_read: np.ndarray  # [max_targets] index into read_rows
     target_token: np.ndarray  # [max_targets]
     target_offset: list[int]  # per tree: where its targets start in target_read / target_token
+    read_offset: list[int]  # per tree: where its reads start in read_rows
 
 
 def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int]:
@@ -104,6 +112,23 @@ def content_trees(
     return out
 
 
+def read_trees(token_ids: list[int], reads: dict[int, list[int]], buckets: Buckets) -> list[Tree]:
+    """The trees that read one sequence at the rows of `reads`: usually one; more (each the whole sequence,
+    reading a run of the rows) when the reads overflow the largest bucket's capacities."""
+    trees, group, targets = [], {}, 0
+    size = buckets.largest
+    if buckets.aligned(len(token_ids)) > size:
+        raise ValueError(f"a sequence of {len(token_ids)} tokens; largest bucket is {size}")
+    for row, tokens in reads.items():
+        wanted = len(set(tokens))
+        if group and not buckets.fits(size, len(token_ids), len(group) + 1, targets + wanted):
+            trees.append(read_tree(token_ids, group))
+            group, targets = {}, 0
+        group[row] = tokens
+        targets += wanted
+    return [*trees, read_tree(token_ids, group)]
+
+
 def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
     """Greedy in order: a tree that does not fit the current pass's remainder starts the next pass."""
     passes, current, used = [], [], (0, 0, 0)
@@ -132,7 +157,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
     read_rows = np.zeros(buckets.max_reads(size), np.int32)
     target_read = np.zeros(buckets.max_targets(size), np.int32)
     target_token = np.zeros(buckets.max_targets(size), np.int32)
-    offset, n_reads, n_targets, target_offset = 0, 0, 0, []
+    offset, n_reads, n_targets, target_offset, read_offset = 0, 0, 0, [], []
     for i in tree_ids:
         tree = trees[i]
         n = len(tree)
@@ -149,6 +174,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
             target_read[n_targets : n_targets + len(reads)] = np.asarray(reads) + n_reads
             target_token[n_targets : n_targets + len(toks)] = toks
         target_offset.append(n_targets)
+        read_offset.append(n_reads)
         offset += buckets.aligned(n)
         n_reads += len(tree.read_rows)
         n_targets += len(tree.targets)
@@ -165,4 +191,5 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
         target_read,
         target_token,
         target_offset,
+        read_offset,
     )

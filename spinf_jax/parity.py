@@ -1,8 +1,8 @@
 """Parity: score recorded prompts with our engine and compare with log-probabilities recorded from
 Hugging Face transformers (PyTorch). References are produced by fixtures/record_references.py, never by us.
 
-All prompts of a fixture run as one packed pass (each prompt a chain of the tree layout), padded to a
-multiple of 128 tokens, so one compiled program serves the fixture and packing is exercised too.
+The prompts go through the program the server runs: the engine's bucketed pass (the largest of the
+backend's default buckets), each prompt a tree read at every position, packed with the fixture's others.
 """
 
 import gzip
@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from spinf_jax.engine import Engine
 from spinf_jax.loader import Model, load_model
-from spinf_jax.models.layers import TreeBatch
+from spinf_jax.packer import Buckets, default_sizes, read_trees
 
-PAD_TO = 128
-ROWS_PER_CALL = 128  # log-softmax rows per call: bounds the [rows, vocab] logits block
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = REPO / "fixtures" / "manifest.json"
 
@@ -69,30 +68,19 @@ def read_reference(path: Path) -> dict:
         return json.load(f)
 
 
-def score_reference(model: Model, prompts: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """Our log-probs of every recorded (position, token) pair and our argmax at every position."""
-    batch, starts = TreeBatch.chains([p["token_ids"] for p in prompts], PAD_TO)
-    hidden = model.hidden(batch)
-    rows, targets = [], []
-    for p, start in zip(prompts, starts, strict=True):
+def score_reference(engine: Engine, prompts: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """Our log-probs of every recorded (position, token) pair and our argmax at every position, from the
+    engine's bucketed passes (the program the server runs): each prompt is a tree of trunk only, read at
+    every position, split over several trees where its reads overflow the largest bucket."""
+    trees = []
+    for p in prompts:
         ids, top = p["token_ids"], p["top_ids"]
-        for t in range(len(ids)):
-            nxt = [ids[t + 1]] if t + 1 < len(ids) else [top[t][0]]
-            rows.append(start + t)
-            targets.append(nxt + list(top[t]))
-    k = len(targets[0])
-    n = len(rows)
-    padded = -(-n // ROWS_PER_CALL) * ROWS_PER_CALL
-    rows_arr = np.zeros(padded, np.int32)
-    rows_arr[:n] = rows
-    target_arr = np.zeros((padded, k), np.int32)
-    target_arr[:n] = targets
-    lps, tops = [], []
-    for i in range(0, padded, ROWS_PER_CALL):
-        lp, top1 = model.logprobs(hidden[rows_arr[i : i + ROWS_PER_CALL]], target_arr[i : i + ROWS_PER_CALL])
-        lps.append(np.asarray(lp))
-        tops.append(np.asarray(top1))
-    return np.concatenate(lps)[:n], np.concatenate(tops)[:n]
+        # Per position: the next token (the top-1 at the end), then the recorded top-k.
+        wanted = {t: [ids[t + 1] if t + 1 < len(ids) else top[t][0], *top[t]] for t in range(len(ids))}
+        trees += read_trees(ids, wanted, engine.buckets)
+    scored = engine.score_trees(trees)
+    logprobs = [s.option_logprobs(i) for s in scored for i in range(len(s.tree.read_rows))]
+    return np.asarray(logprobs, np.float32), np.concatenate([s.top_tokens for s in scored])
 
 
 def compare(
@@ -114,12 +102,15 @@ def compare(
             for p in prompts
             if p.get("text") is not None
         )
-    ours, argmax = score_reference(model, prompts)
+    # The largest of the buckets the server runs on this backend: every bucket gives the same bits (the
+    # invariance tests), and one program compiles faster than several.
+    engine = Engine(model, Buckets(default_sizes()[-1:]))
+    ours, argmax = score_reference(engine, prompts)
     bit_identical = None
     if passes > 1:
         bit_identical = all(
             np.array_equal(ours, again) and np.array_equal(argmax, top)
-            for again, top in (score_reference(model, prompts) for _ in range(passes - 1))
+            for again, top in (score_reference(engine, prompts) for _ in range(passes - 1))
         )
     # The same layout as score_reference: per position, [next token (or top-1 at the end), top-5...].
     recorded, ref_top1, has_next = [], [], []

@@ -445,7 +445,6 @@ LIMIT_CASES = [
             queries=[YES_NO, GRID | {"id": "g"}]),
      Limits(max_questions_per_content=2), "too_many_questions", "inputs[1]"),
     (inputs(*[{"messages": msg()}] * 3), Limits(max_inputs=2), "too_many_inputs", "inputs"),
-    (inputs(*[{"messages": msg()}] * 3), Limits(max_request_tokens=5), "too_many_tokens", None),
     (req(q(options=[" a", " b", " c"])), Limits(max_options=2), "too_many_options", Q0 + ".options"),
     (req(q(options=[" yes", " yes sir"])), Limits(max_option_tokens=1), "option_too_long",
      Q0 + ".options[1]"),
@@ -506,7 +505,7 @@ KNOWN_CODES = {
     "invalid_request", "invalid_template", "unknown_placeholder", "too_many_combinations", "invalid_option",
     "option_too_long", "too_many_options", "duplicate_option", "option_boundary", "template_too_long",
     "unsupported_content", "content_too_long", "too_many_questions", "too_many_inputs", "unknown_query",
-    "too_many_tokens", "not_supported",
+    "not_supported",
 }  # fmt: skip
 
 

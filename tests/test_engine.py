@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spinf_jax.compiler import ScoringError
+from spinf_jax.compiler import Limits, ScoringError
 from spinf_jax.engine import Engine
 from spinf_jax.loader import Model
 from spinf_jax.models import family_for
@@ -18,6 +18,7 @@ from spinf_jax.models.layers import TreeBatch
 from spinf_jax.models.params import abstract
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision
+from spinf_jax.scoring import Scorer
 from tests.spec_example import QUERY_POOL, scores_by_question, without_extraction
 
 SPEC_EXAMPLE = without_extraction()
@@ -172,6 +173,18 @@ def test_floor_equals_scoring_empty_content(engine):
     assert [o["floor_p"] for o in with_floor["options"]] == [o["p"] for o in on_empty["options"]]
     assert with_floor["floor_residual"] == on_empty["residual"]
     assert "floor_p" in floored["options"][0]
+
+
+def test_processed_token_limit_counts_contents_questions_and_floors(engine):
+    engine = Engine(engine.model, engine.buckets)  # no floors cached yet
+    body = _many_inputs(1)
+    plan = Scorer(engine).plan(body)
+    total = sum(len(tree) for tree in plan.trees)
+    assert len(plan.floor_keys) > 0  # floors are part of what is counted
+    assert Scorer(engine, Limits(max_request_tokens=total)).plan(body).trees == plan.trees
+    with pytest.raises(ScoringError) as e:
+        Scorer(engine, Limits(max_request_tokens=total - 1)).plan(body)
+    assert e.value.code == "too_many_tokens" and e.value.param is None
 
 
 def test_floor_skipped_when_asked(engine):

@@ -12,7 +12,7 @@ from spinf_jax.engine import Engine
 from spinf_jax.layout import QuestionKey, build_tree
 from spinf_jax.loader import load_model
 from spinf_jax.models.layers import TreeBatch
-from spinf_jax.packer import Buckets, content_trees, pack
+from spinf_jax.packer import Buckets, content_trees, pack, read_trees
 from tests.trees import POOL
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
@@ -121,6 +121,30 @@ def test_content_split_across_trees_scores_the_same_bits():
     for (tree, first), scored in zip(split, engine.score_trees([t for t, _ in split]), strict=True):
         for i in range(len(tree.options)):
             np.testing.assert_array_equal(scored.option_logprobs(i), one_tree.option_logprobs(first + i))
+
+
+def test_sequence_read_at_every_row_scores_the_same_bits_split_over_trees(engine):
+    """Parity's trees: a plain sequence read at every row, one tree or several (reads over the bucket's
+    capacity), the same bits either way, equal to plain forwards, with the argmax of each read."""
+    ids = _content(21, 120)
+    reads = {t: [ids[t + 1] if t + 1 < len(ids) else 7, 5, 9] for t in range(len(ids))}
+    whole = read_trees(ids, reads, engine.buckets)
+    split = read_trees(ids, reads, Buckets((256,), block=32))  # 360 targets: over the 256-token bucket's
+    assert len(whole) == 1 and len(split) == 2
+    [one] = engine.score_trees(whole)
+    parts = engine.score_trees(split)
+    assert [r for s in parts for r in s.tree.read_rows] == one.tree.read_rows == list(range(len(ids)))
+    np.testing.assert_array_equal(
+        np.concatenate([s.option_logprobs(i) for s in parts for i in range(len(s.tree.read_rows))]),
+        np.concatenate([one.option_logprobs(i) for i in range(len(ids))]),
+    )
+    np.testing.assert_array_equal(np.concatenate([s.top_tokens for s in parts]), one.top_tokens)
+    hidden = engine.model.hidden(TreeBatch.sequence(ids))
+    lp, top = engine.model.logprobs(hidden[: len(ids)], np.asarray(list(reads.values()), np.int32))
+    np.testing.assert_allclose(
+        np.concatenate([one.option_logprobs(i) for i in range(len(ids))]), np.ravel(lp), atol=1e-4
+    )
+    np.testing.assert_array_equal(one.top_tokens, top)
 
 
 def test_floor_equals_empty_content(engine):

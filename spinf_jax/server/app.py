@@ -15,7 +15,8 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.openapi import OpenAPIConfig
 
 from spinf_jax.engine import Engine
-from spinf_jax.packer import Buckets
+from spinf_jax.packer import Buckets, default_sizes
+from spinf_jax.scoring import Scorer
 from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError
 from spinf_jax.server.metrics import Metrics
 from spinf_jax.server.runner import QueueFull, Runner
@@ -27,16 +28,11 @@ MAX_BODY = 2 * 1024 * 1024
 class Settings:
     model: str
     precision: str = "bf16"
-    buckets: tuple[int, ...] | None = None  # None: by backend (see default_buckets)
+    buckets: tuple[int, ...] | None = None  # None: by backend (packer.default_sizes)
     api_key: str | None = None
     max_queue: int = 64
     max_delay_ms: float = 5.0
     served_names: tuple[str, ...] = ()  # extra names the model answers to (e.g. the hosted service's)
-
-
-def default_buckets() -> tuple[int, ...]:
-    # On the CPU a 16k-token pass takes minutes; small buckets keep single requests responsive.
-    return (2048, 4096, 8192, 16384) if jax.default_backend() != "cpu" else (256, 1024, 2048)
 
 
 @dataclass
@@ -46,6 +42,7 @@ class Server:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
     engine: Engine | None = None
+    scorer: Scorer | None = None
     runner: Runner | None = None
     failure: str | None = None
     ready_at: int | None = None
@@ -57,11 +54,12 @@ class Server:
         try:
             s = self.settings
             engine = engine or Engine.load(
-                s.model, s.precision, buckets=Buckets(s.buckets or default_buckets())
+                s.model, s.precision, buckets=Buckets(s.buckets or default_sizes())
             )
             engine.on_pass = self.metrics.on_pass
             engine.warmup()
-            self.runner = Runner(engine, s.max_queue, s.max_delay_ms / 1000)
+            self.scorer = Scorer(engine)
+            self.runner = Runner(self.scorer, s.max_queue, s.max_delay_ms / 1000)
             self.engine = engine
             self.ready_at = int(time.time())
         except Exception as exc:  # noqa: BLE001 - reported by /health and every request
@@ -70,14 +68,14 @@ class Server:
     def names(self) -> list[str]:
         return [self.engine.model.name, *self.settings.served_names] if self.engine else []
 
-    def require_ready(self) -> Engine:
+    def require_ready(self) -> Scorer:
         if self.engine is None:
             if self.failure:
                 raise ApiError(503, "model_failed", f"the model failed to load: {self.failure}")
             raise ApiError(
                 503, "warming_up", "the model is loading and compiling; retry shortly", retry_after=5
             )
-        return self.engine
+        return self.scorer
 
 
 def _server(request: Request) -> Server:
@@ -106,11 +104,11 @@ async def _body(request: Request) -> dict:
 
 async def _score(request: Request, body: dict) -> dict:
     server = _server(request)
-    engine = server.require_ready()
+    scorer = server.require_ready()
     model = body.get("model")
     if model is not None and model not in server.names():
         raise ApiError(404, "model_not_found", f"model {model!r} is not served here; see /v1/models", "model")
-    plan = await anyio.to_thread.run_sync(engine.plan, body)
+    plan = await anyio.to_thread.run_sync(scorer.plan, body)
     try:
         future = server.runner.submit(plan)
     except QueueFull:
@@ -199,7 +197,7 @@ async def health(request: Request) -> Response:
         body |= {
             "system_fingerprint": engine.fingerprint,
             "buckets": list(engine.buckets.sizes),
-            "limits": {**dataclasses.asdict(engine.limits), "max_body_bytes": MAX_BODY},
+            "limits": {**dataclasses.asdict(server.scorer.limits), "max_body_bytes": MAX_BODY},
         }
     return Response(body, status_code=200 if engine else 503)
 

@@ -7,7 +7,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from spinf_jax.engine import Engine, Plan
+from spinf_jax.scoring import Plan, Scorer
 
 
 class QueueFull(Exception):
@@ -15,8 +15,9 @@ class QueueFull(Exception):
 
 
 class Runner:
-    def __init__(self, engine: Engine, max_queue: int = 64, max_delay: float = 0.005):
-        self.engine = engine
+    def __init__(self, scorer: Scorer, max_queue: int = 64, max_delay: float = 0.005):
+        self.scorer = scorer
+        self.engine = scorer.engine
         self.max_queue = max_queue
         self.max_delay = max_delay
         self._queue: queue.Queue[tuple[Plan, Future] | None] = queue.Queue()
@@ -74,6 +75,6 @@ class Runner:
                 mine = scored[start : start + len(plan.trees)]
                 start += len(plan.trees)
                 try:
-                    future.set_result(self.engine.finish(plan, mine))
+                    future.set_result(self.scorer.finish(plan, mine))
                 except Exception as exc:  # noqa: BLE001
                     future.set_exception(exc)

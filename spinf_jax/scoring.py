@@ -1,0 +1,179 @@
+"""Requests in, responses out: a scoring request (SPEC section 1) → the token trees it needs → the response
+(SPEC section 2). Plain Python and numpy around an Engine, which only runs passes over token trees.
+
+    scorer = Scorer(engine)
+    plan = scorer.plan(body)  # compile, lay out the contents' trees and the floors not cached
+    response = scorer.finish(plan, engine.score_trees(plan.trees))
+
+The server makes plans on request threads and lets its engine thread score the trees of several plans in
+shared passes; `Scorer.score` does the three steps in a row.
+"""
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from spinf_jax.compiler import CompiledRequest, Limits, Question, ScoringError, compile_request
+from spinf_jax.layout import QuestionKey, Tree, build_tree
+from spinf_jax.packer import content_trees
+
+if TYPE_CHECKING:
+    from spinf_jax.engine import Engine, Scored
+
+LOW_OPTION_MASS = 0.05  # warn when the options hold less of the probability at the slot
+
+
+@dataclass
+class Plan:
+    """A compiled request and the trees it needs scored."""
+
+    request: CompiledRequest
+    trees: list[Tree]  # the contents' trees, then one floor tree per floor not cached
+    owners: list[int]  # for each content tree, the index of its content
+    floor_keys: list[QuestionKey]  # for each floor tree, its question
+    floors: dict[QuestionKey, np.ndarray]  # floors found in the cache
+
+
+class Scorer:
+    def __init__(self, engine: "Engine", limits: Limits | None = None):
+        self.engine = engine
+        self.limits = limits or Limits()
+
+    def score(self, body: dict) -> dict:
+        plan = self.plan(body)
+        return self.finish(plan, self.engine.score_trees(plan.trees))
+
+    def plan(self, body: dict) -> Plan:
+        """Compile a request and lay out every tree it needs: its contents', then floors not yet cached."""
+        tokenizer = self.engine.model.tokenizer
+        if tokenizer is None:
+            raise ValueError("scoring text needs a model with a tokenizer (score_trees works on token ids)")
+        request = compile_request(body, tokenizer, self.limits)
+        if request.pack_ids:
+            raise ScoringError(
+                "unknown_pack", f"no prompt pack {request.pack_ids[0]!r} is loaded", "packs[0].id"
+            )
+        budget = _TokenBudget(self.limits.max_request_tokens)
+        prefix = tokenizer.prefix()
+        trees, owners, wanted = [], [], {}
+        for c, content in enumerate(request.contents):
+            keys = [question_key(q) for query in content.queries for q in query.questions]
+            try:
+                chunks = content_trees(prefix, list(content.content_ids), keys, self.engine.buckets)
+            except ValueError as e:
+                raise ScoringError("content_too_long", str(e), f"inputs[{c}]") from e
+            trees += budget.spend(tree for tree, _ in chunks)
+            owners += [c] * len(chunks)
+            wanted |= dict.fromkeys(keys)
+        floors, missing = {}, []
+        if request.empty_floor:
+            floors = self.engine.cached_floors(wanted)
+            missing = [k for k in wanted if k not in floors]
+        trees += budget.spend(build_tree(prefix, [], [k]) for k in missing)
+        return Plan(request, trees, owners, missing, floors)
+
+    def finish(self, plan: Plan, scored: list["Scored"]) -> dict:
+        """The response of a plan whose trees were scored (in the plan's order)."""
+        n = len(plan.owners)
+        floors = dict(plan.floors)
+        for key, result in zip(plan.floor_keys, scored[n:], strict=True):
+            floors[key] = result.option_logprobs(0)
+            self.engine.remember_floor(key, floors[key])
+        by_content = plan.trees[:n]
+        usage = {
+            "content_tokens": sum(t.trunk_tokens for t in by_content),
+            "query_tokens": sum(len(t) - t.trunk_tokens for t in by_content),
+            "floor_tokens": sum(len(t) for t in plan.trees[n:]),
+        }
+        per_content: list[list[np.ndarray]] = [[] for _ in plan.request.contents]
+        for c, result in zip(plan.owners, scored[:n], strict=True):
+            per_content[c] += [result.option_logprobs(i) for i in range(len(result.tree.options))]
+        return self._respond(plan.request, per_content, floors, usage)
+
+    def _respond(self, request: CompiledRequest, per_content, floors, usage) -> dict:
+        results, warnings = [], []
+        for content, logprobs in zip(request.contents, per_content, strict=True):
+            queries, i = [], 0
+            for query in content.queries:
+                combinations = []
+                for q in query.questions:
+                    floor = floors.get(question_key(q)) if request.empty_floor else None
+                    combo = _combination(q, logprobs[i], floor)
+                    i += 1
+                    combinations.append(combo)
+                    mass = 1.0 - combo["residual"]
+                    if mass < LOW_OPTION_MASS:
+                        warnings.append(
+                            {
+                                "code": "low_option_mass",
+                                "input_id": content.input_id,
+                                "query_id": query.id,
+                                "message": f"the options hold {mass:.1%} of the probability at the slot"
+                                + (f" for values {q.values}" if q.values else "")
+                                + "; check the template and the options' leading spaces",
+                            }
+                        )
+                queries.append({"id": query.id, "combinations": combinations})
+            results.append({"input_id": content.input_id, "queries": queries})
+        return {
+            "id": f"score-{uuid.uuid4().hex}",
+            "object": "score",
+            "created": int(time.time()),
+            "model": self.engine.model.name,
+            "system_fingerprint": self.engine.fingerprint,
+            "results": results,
+            "warnings": warnings,
+            "usage": {"prompt_tokens": sum(usage.values()), "prompt_tokens_details": usage},
+        }
+
+
+class _TokenBudget:
+    """The processed-token limit of one request, charged as its trees are built: the one place that checks
+    it, and it stops building as soon as the request is over (a request cannot make us build 10^8 nodes)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+
+    def spend(self, trees) -> list[Tree]:
+        out = []
+        for tree in trees:
+            self.used += len(tree)
+            if self.used > self.limit:
+                raise ScoringError(
+                    "too_many_tokens",
+                    f"the request needs more than {self.limit} processed tokens (contents, questions and "
+                    "floors); split it",
+                )
+            out.append(tree)
+        return out
+
+
+def question_key(q: Question) -> QuestionKey:
+    return QuestionKey(tuple(q.template_ids), tuple(tuple(o) for o in q.option_ids))
+
+
+def _distribution(logprobs: np.ndarray) -> tuple[np.ndarray, float]:
+    """Options' probabilities renormalised over the options, and the mass left outside them."""
+    top = float(np.max(logprobs))
+    weights = np.exp(logprobs - top)
+    mass = math.exp(top) * float(np.sum(weights))
+    return weights / np.sum(weights), max(0.0, 1.0 - mass)
+
+
+def _combination(q: Question, logprobs: np.ndarray, floor: np.ndarray | None) -> dict:
+    p, residual = _distribution(logprobs)
+    options = [
+        {"text": text, "logprob": float(lp), "p": float(pi)}
+        for text, lp, pi in zip(q.options, logprobs, p, strict=True)
+    ]
+    combo = {"values": dict(q.values), "options": options, "residual": residual}
+    if floor is not None:
+        floor_p, floor_residual = _distribution(floor)
+        for option, fp in zip(options, floor_p, strict=True):
+            option["floor_p"] = float(fp)
+        combo["floor_residual"] = floor_residual
+    return combo

@@ -12,16 +12,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-
-class ScoringError(Exception):
-    """A request the API refuses; `code`, `message` and `param` go to the client as they are."""
-
-    def __init__(self, code: str, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-        self.status = status
+from spinf_jax.errors import ScoringError
 
 
 class Slot(StrEnum):
@@ -538,7 +529,6 @@ def compile_request(body: dict, tokenizer, limits: Limits = Limits()) -> Compile
                 "not_supported",
                 f"extraction slots ({spec.slot.value}) are not supported yet; use a {{?}} slot with options",
                 spec.param + ".template",
-                status=501,
             )
 
     contents = tuple(

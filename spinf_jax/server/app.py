@@ -71,10 +71,8 @@ class Server:
     def require_ready(self) -> Scorer:
         if self.engine is None:
             if self.failure:
-                raise ApiError(503, "model_failed", f"the model failed to load: {self.failure}")
-            raise ApiError(
-                503, "warming_up", "the model is loading and compiling; retry shortly", retry_after=5
-            )
+                raise ApiError("model_failed", f"the model failed to load: {self.failure}")
+            raise ApiError("warming_up", "the model is loading and compiling; retry shortly", retry_after=5)
         return self.scorer
 
 
@@ -88,7 +86,7 @@ def _authorize(request: Request) -> None:
         return
     given = request.headers.get("authorization", "")
     if given.removeprefix("Bearer ").strip() != key and request.headers.get("x-api-key") != key:
-        raise ApiError(401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer <key>)")
+        raise ApiError("invalid_api_key", "missing or wrong API key (Authorization: Bearer <key>)")
 
 
 async def _body(request: Request) -> dict:
@@ -96,9 +94,9 @@ async def _body(request: Request) -> dict:
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
-        raise ApiError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
+        raise ApiError("invalid_json", f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "invalid_request", "the body must be a JSON object")
+        raise ApiError("invalid_request", "the body must be a JSON object")
     return body
 
 
@@ -107,13 +105,13 @@ async def _score(request: Request, body: dict) -> dict:
     scorer = server.require_ready()
     model = body.get("model")
     if model is not None and model not in server.names():
-        raise ApiError(404, "model_not_found", f"model {model!r} is not served here; see /v1/models", "model")
+        raise ApiError("model_not_found", f"model {model!r} is not served here; see /v1/models", "model")
     plan = await anyio.to_thread.run_sync(scorer.plan, body)
     try:
         future = server.runner.submit(plan)
     except QueueFull:
         raise ApiError(
-            429, "concurrency_limit", "too many requests are waiting; retry shortly", retry_after=1
+            "concurrency_limit", "too many requests are waiting; retry shortly", retry_after=1
         ) from None
     response = await asyncio.wrap_future(future)
     if model is not None:
@@ -138,7 +136,6 @@ async def chat_completions(request: Request) -> Response:
     body = await _body(request)
     if not any(key in body for key in ("scoring", "inputs", "packs")):
         raise ApiError(
-            400,
             "scoring_required",
             "this server scores, it does not chat: send a `scoring` block (with the OpenAI SDK: extra_body)",
             "scoring",

@@ -5,7 +5,7 @@ import uuid
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from spinf_jax.compiler import ScoringError
+from spinf_jax.errors import CODES, ScoringError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -20,18 +20,12 @@ _TYPES = {
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 400: "invalid_request"}
 
 
-class ApiError(Exception):
-    def __init__(
-        self, status: int, code: str, message: str, param: str | None = None, retry_after: int | None = None
-    ):
-        super().__init__(message)
-        self.status, self.code, self.message, self.param, self.retry_after = (
-            status,
-            code,
-            message,
-            param,
-            retry_after,
-        )
+class ApiError(ScoringError):
+    """A refusal of the HTTP layer (auth, routing, the server's state), with an optional Retry-After."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, retry_after: int | None = None):
+        super().__init__(code, message, param)
+        self.retry_after = retry_after
 
 
 def request_id(request: Request) -> str:
@@ -51,12 +45,8 @@ def envelope(
     return Response({"error": error, "request_id": request_id(request)}, status_code=status, headers=headers)
 
 
-def handle_api_error(request: Request, exc: ApiError) -> Response:
-    return envelope(request, exc.status, exc.code, exc.message, exc.param, exc.retry_after)
-
-
 def handle_scoring_error(request: Request, exc: ScoringError) -> Response:
-    return envelope(request, exc.status, exc.code, exc.message, exc.param)
+    return envelope(request, exc.status, exc.code, exc.message, exc.param, getattr(exc, "retry_after", None))
 
 
 def handle_http_exception(request: Request, exc: HTTPException) -> Response:
@@ -73,13 +63,16 @@ def handle_unexpected(request: Request, exc: Exception) -> Response:
     text = str(exc)
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
         return envelope(
-            request, 503, "out_of_memory", "the device ran out of memory; retry later", retry_after=5
+            request, *_coded("out_of_memory"), "the device ran out of memory; retry later", retry_after=5
         )
-    return envelope(request, 500, "internal_error", f"the server failed to answer: {type(exc).__name__}")
+    return envelope(request, *_coded("internal_error"), f"the server failed to answer: {type(exc).__name__}")
+
+
+def _coded(code: str) -> tuple[int, str]:
+    return CODES[code][0], code
 
 
 EXCEPTION_HANDLERS = {
-    ApiError: handle_api_error,
     ScoringError: handle_scoring_error,
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,

@@ -1,0 +1,55 @@
+"""Every error code the API answers with, defined once: its HTTP status and what it means.
+
+Raise them as `ScoringError(code, message, param)`: the status comes from here, and a code that is not here
+fails loudly where it is raised. docs/api.md's table is checked against this one (tests/test_errors.py), and
+so is every code the source raises.
+"""
+
+CODES: dict[str, tuple[int, str]] = {
+    # The request's meaning (SPEC section 1)
+    "invalid_json": (400, "the body is not valid JSON"),
+    "invalid_request": (400, "a field is missing, of the wrong type, or contradicts another"),
+    "invalid_template": (400, "a template's slot or braces are malformed, or nothing precedes the slot"),
+    "unknown_placeholder": (400, "a placeholder without values, or values for no placeholder"),
+    "too_many_combinations": (400, "more than 1,000 combinations in one query"),
+    "invalid_option": (400, "an empty option, or one with no tokens"),
+    "too_many_options": (400, "more than 1,000 options in one query"),
+    "duplicate_option": (400, "two options equal ignoring case"),
+    "option_too_long": (400, "an option of more than 5 tokens"),
+    "option_boundary": (400, "an option merges with the end of its template: their tokens differ apart"),
+    "template_too_long": (400, "a filled template of more than 256 tokens"),
+    "unsupported_content": (400, "a content part this model cannot read (image, audio, ...)"),
+    "content_too_long": (400, "a content of more than 4,096 tokens, or too long for the largest bucket"),
+    "too_many_questions": (400, "more than 10,000 questions (templates × combinations) for one content"),
+    "too_many_inputs": (400, "more than 10,000 inputs"),
+    "unknown_query": (400, "query_ids names a query that scoring.queries does not have"),
+    "too_many_tokens": (400, "the request would process more than 2,000,000 tokens"),
+    "unknown_pack": (400, "no prompt pack of that id is loaded"),
+    "scoring_required": (400, "a chat completion without a scoring block: this server does not chat"),
+    "not_supported": (501, "extraction slots ({*}, {n}, {$}) are not built yet"),
+    # Access, routing and the server's state
+    "invalid_api_key": (401, "missing or wrong API key"),
+    "model_not_found": (404, "the model named is not served here"),
+    "not_found": (404, "no such route"),
+    "method_not_allowed": (405, "the route does not take that method"),
+    "request_too_large": (413, "the body is over 2 MB (checked while reading)"),
+    "concurrency_limit": (429, "the queue is full: retry after Retry-After seconds"),
+    "warming_up": (503, "the model is loading and compiling"),
+    "model_failed": (503, "the model failed to load"),
+    "out_of_memory": (503, "the device ran out of memory during the pass"),
+    "http_error": (400, "any other refusal of the HTTP layer (with that layer's own status)"),
+    "internal_error": (500, "the server failed to answer (a bug): the envelope, never a stack trace"),
+}
+
+
+class ScoringError(Exception):
+    """A request the API refuses; `code`, `message` and `param` go to the client as they are."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        if code not in CODES:
+            raise ValueError(f"error code {code!r} is not defined in spinf_jax.errors.CODES")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.status = CODES[code][0]

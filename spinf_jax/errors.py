@@ -37,7 +37,6 @@ CODES: dict[str, tuple[int, str]] = {
     "warming_up": (503, "the model is loading and compiling"),
     "model_failed": (503, "the model failed to load"),
     "out_of_memory": (503, "the device ran out of memory during the pass"),
-    "http_error": (400, "any other refusal of the HTTP layer (with that layer's own status)"),
     "internal_error": (500, "the server failed to answer (a bug): the envelope, never a stack trace"),
 }
 

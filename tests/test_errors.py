@@ -2,11 +2,16 @@
 
 import ast
 import re
+import time
 from pathlib import Path
 
 import pytest
+from litestar.testing import TestClient
 
+from spinf_jax.compiler import Limits
 from spinf_jax.errors import CODES, ScoringError
+from spinf_jax.scoring import Scorer
+from spinf_jax.server.app import Server, Settings, create_app
 
 REPO = Path(__file__).resolve().parent.parent
 # Where a code is the n-th positional argument of a call, and helpers that stand for one code.
@@ -32,7 +37,6 @@ def _raised_codes() -> dict[str, list[str]]:
                 code = node.args[at].value
             if code is not None:
                 found.setdefault(code, []).append(f"{path.relative_to(REPO)}:{node.lineno}")
-    found.pop("http_error", None)  # named in a mapping (server/errors.py), not a call
     return found
 
 
@@ -52,3 +56,115 @@ def test_an_undefined_code_cannot_be_raised():
     with pytest.raises(ValueError, match="not defined"):
         ScoringError("made_up_code", "no such code")
     assert ScoringError("not_supported", "later").status == 501
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every defined code can be reached: a request (or a server state) that answers with it.
+
+YES_NO = {"id": "q", "template": "\n\nAnswer:{?}", "options": [" yes", " no"]}
+MESSAGES = [{"role": "user", "content": "Hello there."}]
+
+
+def _body(*queries, **top) -> dict:
+    return {"messages": MESSAGES, "scoring": {"queries": list(queries) or [YES_NO]}, **top}
+
+
+def _inputs(*items) -> dict:
+    return {"inputs": list(items), "scoring": {"queries": [YES_NO]}}
+
+
+# code → (request body, limits that make it reachable with a small body)
+REQUESTS = {
+    "invalid_request": ({"messages": [], "scoring": {"queries": [YES_NO]}}, {}),
+    "invalid_template": (_body(YES_NO | {"template": "no slot"}), {}),
+    "unknown_placeholder": (_body(YES_NO | {"template": "Is it {x}?{?}"}), {}),
+    "too_many_combinations": (
+        _body(YES_NO | {"template": "{x}?{?}", "combinations": [{"x": "a"}, {"x": "b"}]}),
+        {"max_combinations": 1},
+    ),
+    "invalid_option": (_body(YES_NO | {"options": [" yes", ""]}), {}),
+    "too_many_options": (_body(), {"max_options": 1}),
+    "duplicate_option": (_body(YES_NO | {"options": [" yes", " YES"]}), {}),
+    "option_too_long": (_body(YES_NO | {"options": [" yes", " no thank you"]}), {"max_option_tokens": 2}),
+    "option_boundary": (_body(YES_NO | {"template": "\n\nThe cat{?}", "options": [" dog", "s"]}), {}),
+    "template_too_long": (_body(), {"max_template_tokens": 1}),
+    "unsupported_content": (
+        {
+            "messages": [{"content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "scoring": {"queries": [YES_NO]},
+        },
+        {},
+    ),
+    "content_too_long": (_body(), {"max_content_tokens": 1}),
+    "too_many_questions": (_body(YES_NO, YES_NO | {"id": "r"}), {"max_questions_per_content": 1}),
+    "too_many_inputs": (_inputs({"messages": MESSAGES}, {"messages": MESSAGES}), {"max_inputs": 1}),
+    "unknown_query": (_inputs({"messages": MESSAGES, "query_ids": ["nope"]}), {}),
+    "too_many_tokens": (_body(), {"max_request_tokens": 5}),
+    "unknown_pack": (_body(packs=[{"id": "spinf/moderation"}]), {}),
+    "not_supported": (_body({"id": "m", "template": 'Which month?\nA: "{*}'}), {}),
+}
+
+
+@pytest.mark.parametrize("code", list(REQUESTS))
+def test_request_codes_are_reachable(gemma_engine, code):
+    body, limits = REQUESTS[code]
+    with pytest.raises(ScoringError) as e:
+        Scorer(gemma_engine, Limits(**limits)).plan(body)
+    assert e.value.code == code, e.value.message
+    assert e.value.status == CODES[code][0]
+
+
+@pytest.fixture(scope="module")
+def client(gemma_engine):
+    app = create_app(Settings("spinf/gemma-3-270m", api_key="sekret", max_queue=1), gemma_engine)
+    with TestClient(app) as client:
+        client.headers["authorization"] = "Bearer sekret"
+        deadline = time.monotonic() + 300
+        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield client
+
+
+def _failing_plan(message: str):
+    def plan(body):
+        raise RuntimeError(message)
+
+    return plan
+
+
+def test_server_codes_are_reachable(client, monkeypatch):
+    def code_of(response, status):
+        assert response.status_code == status, response.text
+        return response.json()["error"]["code"]
+
+    reached = {
+        code_of(client.post("/v1/score", content=b"{nope"), 400),
+        code_of(client.post("/v1/chat/completions", json={"messages": MESSAGES}), 400),
+        code_of(client.post("/v1/score", json=_body(), headers={"authorization": "Bearer wrong"}), 401),
+        code_of(client.post("/v1/score", json=_body(model="other")), 404),
+        code_of(client.get("/v1/nothing"), 404),
+        code_of(client.get("/v1/score"), 405),
+        code_of(client.post("/v1/score", content=b" " * (3 * 1024 * 1024)), 413),
+    }
+    server = client.app.state.server
+    monkeypatch.setattr(server.runner, "max_queue", 0)
+    reached.add(code_of(client.post("/v1/score", json=_body()), 429))
+    monkeypatch.setattr(server.runner, "max_queue", 1)
+    monkeypatch.setattr(server.scorer, "plan", _failing_plan("RESOURCE_EXHAUSTED: out of memory"))
+    reached.add(code_of(client.post("/v1/score", json=_body()), 503))
+    monkeypatch.setattr(server.scorer, "plan", _failing_plan("a bug"))
+    reached.add(code_of(client.post("/v1/score", json=_body()), 500))
+    assert client.post("/v1/score", json=_body()).status_code == 500  # still up, still answering
+
+    loading = Server(Settings("spinf/gemma-3-270m"))
+    with pytest.raises(ScoringError) as e:
+        loading.require_ready()
+    reached.add(e.value.code)
+    loading.failure = "FileNotFoundError: no model"
+    with pytest.raises(ScoringError) as e:
+        loading.require_ready()
+    reached.add(e.value.code)
+
+    unreached = set(CODES) - set(REQUESTS) - reached
+    assert not unreached
+    assert reached <= set(CODES)

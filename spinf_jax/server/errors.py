@@ -55,7 +55,9 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response:
         message = "the request body is over the 2 MB limit"
     else:
         message = exc.detail if isinstance(exc.detail, str) and exc.detail else "request refused"
-    return envelope(request, status, _HTTP_CODES.get(status, "http_error"), message)
+    # Other refusals of the HTTP layer keep their status, under the code of their class.
+    code = _HTTP_CODES.get(status, "invalid_request" if status < 500 else "internal_error")
+    return envelope(request, status, code, message)
 
 
 def handle_unexpected(request: Request, exc: Exception) -> Response:

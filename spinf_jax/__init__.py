@@ -5,8 +5,8 @@ engine = Engine.load("spinf/gemma-3-270m", precision="bf16")
 response = engine.score({"messages": [...], "scoring": {"queries": [...]}})
 """
 
-from spinf_jax.compiler import ScoringError
 from spinf_jax.engine import Engine
+from spinf_jax.errors import ScoringError
 from spinf_jax.loader import load_model
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.quant import Precision

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spinf_jax.compiler import CompiledRequest, Limits, Question, ScoringError, compile_request
+from spinf_jax.compiler import CompiledRequest, Limits, Question, compile_request
+from spinf_jax.errors import ScoringError
 from spinf_jax.layout import QuestionKey, Tree, build_tree
 from spinf_jax.packer import content_trees
 

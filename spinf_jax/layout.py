@@ -33,9 +33,20 @@ class Tree:
     # First row of the branch each row belongs to (row + 1 for trunk rows, which belong to none).
     branch_start: list[int] = field(default_factory=list)
     trunk_tokens: int = 0
+    _reads: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # row → read index
+    _target_index: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @staticmethod
+    def trunk(token_ids: list[int]) -> "Tree":
+        """A tree of trunk only: the tokens as one chain (spans are completed by whoever adds branches)."""
+        tree = Tree()
+        for token in token_ids:
+            tree._push(token, len(tree.tokens))
+        tree.trunk_tokens = len(tree.tokens)
+        return tree
 
     def _push(self, token: int, position: int) -> int:
         self.tokens.append(token)
@@ -44,26 +55,21 @@ class Tree:
         self.branch_start.append(len(self.tokens))
         return len(self.tokens) - 1
 
+    def _read(self, row: int, token: int) -> int:
+        """The target index of log P(token | row), added (with the row's read) the first time it is asked."""
+        if row not in self._reads:
+            self._reads[row] = len(self.read_rows)
+            self.read_rows.append(row)
+        key = (self._reads[row], token)
+        if key not in self._target_index:
+            self._target_index[key] = len(self.targets)
+            self.targets.append(key)
+        return self._target_index[key]
+
 
 def build_tree(prefix: list[int], content_ids: list[int], questions: list[QuestionKey]) -> Tree:
     """The tree of one content (or, with empty content, of the floor) with its questions, in order."""
-    tree = Tree()
-    for token in [*prefix, *content_ids]:
-        tree._push(token, len(tree.tokens))
-    tree.trunk_tokens = len(tree.tokens)
-    reads: dict[int, int] = {}  # row → read index
-    target_index: dict[tuple[int, int], int] = {}
-
-    def read(row: int, token: int) -> int:
-        if row not in reads:
-            reads[row] = len(tree.read_rows)
-            tree.read_rows.append(row)
-        key = (reads[row], token)
-        if key not in target_index:
-            target_index[key] = len(tree.targets)
-            tree.targets.append(key)
-        return target_index[key]
-
+    tree = Tree.trunk([*prefix, *content_ids])
     for q in questions:
         start = len(tree.tokens)
         depth = tree.trunk_tokens
@@ -73,7 +79,7 @@ def build_tree(prefix: list[int], content_ids: list[int], questions: list[Questi
         slot_row = len(tree.tokens) - 1 if q.template_ids else tree.trunk_tokens - 1
         if slot_row < 0:
             raise ValueError("nothing to read the options after: empty content and template, and no BOS")
-        _add_option_trie(tree, q.option_ids, slot_row, depth, read)
+        _add_option_trie(tree, q.option_ids, slot_row, depth)
         tree.branch_start[start:] = [start] * (len(tree.tokens) - start)
         # Template tokens are one chain; its span (and the trie below it) ends here.
         for row in range(start, start + len(q.template_ids)):
@@ -87,24 +93,14 @@ def read_tree(token_ids: list[int], reads: dict[int, list[int]]) -> Tree:
     """A plain sequence (all trunk) read at some of its rows: `reads[row]` lists the tokens whose log-probs
     are wanted after that row. Each read is laid out as a question whose options are single tokens, so
     `Scored.option_logprobs(i)` gives the i-th read's log-probs in the order asked (parity uses this)."""
-    tree = Tree()
-    for token in token_ids:
-        tree._push(token, len(tree.tokens))
-    tree.trunk_tokens = len(tree.tokens)
-    tree.span_end = [len(tree.tokens)] * len(tree.tokens)
-    targets: dict[tuple[int, int], int] = {}
+    tree = Tree.trunk(token_ids)
+    tree.span_end = [len(tree)] * len(tree)
     for row, tokens in reads.items():
-        read = len(tree.read_rows)
-        tree.read_rows.append(row)
-        for token in tokens:
-            if (read, token) not in targets:
-                targets[read, token] = len(tree.targets)
-                tree.targets.append((read, token))
-        tree.options.append([[targets[read, token]] for token in tokens])
+        tree.options.append([[tree._read(row, token)] for token in tokens])
     return tree
 
 
-def _add_option_trie(tree: Tree, option_ids, slot_row: int, depth: int, read) -> None:
+def _add_option_trie(tree: Tree, option_ids, slot_row: int, depth: int) -> None:
     """Lay out the trie of option prefixes depth-first below slot_row and record every option's reads."""
     nodes: dict[tuple[int, ...], int] = {(): slot_row}  # option prefix → its row
     order: list[tuple[int, ...]] = []
@@ -126,4 +122,4 @@ def _add_option_trie(tree: Tree, option_ids, slot_row: int, depth: int, read) ->
         while end < len(order) and order[end][: len(prefix)] == prefix:
             end += 1
         tree.span_end[rows_by_prefix[prefix]] = rows_by_prefix[order[end - 1]] + 1
-    tree.options.append([[read(nodes[ids[:j]], ids[j]) for j in range(len(ids))] for ids in option_ids])
+    tree.options.append([[tree._read(nodes[ids[:j]], ids[j]) for j in range(len(ids))] for ids in option_ids])

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spinf_jax.models.params import Kind, Param
+from spinf_jax.models.params import Kind, params
 
 JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
 
@@ -46,13 +46,12 @@ QWEN3_8B = {
 
 
 class SyntheticCheckpoint:
-    """A checkpoint of a family's Param tree with made-up f32 values, handed over one tensor at a time like
-    a real one, so the loader's own path (host → device → quantize) is what gets measured."""
+    """A checkpoint for an abstract decoder's Params with made-up f32 values, handed over one tensor at a time
+    like a real one, so the loader's own path (host → device → quantize) is what gets measured."""
 
-    def __init__(self, specs: dict, config: dict):
+    def __init__(self, decoder, config: dict):
         self.config = config
-        params = jax.tree.leaves(specs, is_leaf=lambda p: isinstance(p, Param))
-        self.shapes = {p.source: p.shape for p in params}
+        self.shapes = {p.source: p.get_value().shape for p in params(decoder)}
         self.pattern = (np.random.default_rng(0).standard_normal(1 << 20) * 0.02).astype(np.float32)
 
     def get(self, name: str) -> np.ndarray:
@@ -114,10 +113,9 @@ def gemm_peaks() -> dict:
     }
 
 
-def linear_params(family, cfg) -> int:
+def linear_params(decoder) -> int:
     """Parameters of the decoder layers' linear projections (what model-FLOPs utilisation counts)."""
-    specs = jax.tree.leaves(family.param_specs(cfg)["layers"], is_leaf=lambda p: isinstance(p, Param))
-    return sum(math.prod(p.shape) for p in specs if p.kind is Kind.LINEAR)
+    return sum(math.prod(p.get_value().shape) for p in params(decoder.layers) if p.kind is Kind.LINEAR)
 
 
 def report(questions: int, tokens: int, seconds: float, peak_gib: float, params: int, peaks: dict) -> dict:

@@ -25,7 +25,7 @@ from common import GEMMA3_12B, seed_job, seed_request, timed
 from pallas_kernels import tree_attention
 from spinf_jax.engine import Engine
 from spinf_jax.loader import Model
-from spinf_jax.models import gemma3
+from spinf_jax.models import abstract_decoder
 from spinf_jax.packer import Buckets, pack
 from spinf_jax.quant import Precision
 from spinf_jax.scoring import Scorer
@@ -37,9 +37,8 @@ SLIDING_LAYERS, GLOBAL_LAYERS = 40, 8
 def seed_pass(tokenizer: str):
     """The first pass of the seed job in a 16,384-token bucket, as the engine lays it out."""
     tok = Tokenizer(tokenizers.Tokenizer.from_file(tokenizer), bos_id=2, add_bos=True)
-    cfg = gemma3.Config.from_hf(GEMMA3_12B)
-    # The plan needs the tokenizer and the buckets only; no weights are touched.
-    model = Model("layout-only", gemma3, cfg, Precision.BF16, {}, tok, digest="none")
+    # The plan needs the tokenizer and the buckets only: the weights stay abstract.
+    model = Model("layout-only", abstract_decoder(GEMMA3_12B, Precision.BF16), tok, digest="none")
     engine = Engine(model, Buckets((16384,)))
     plan = Scorer(engine).plan(seed_request(seed_job(), empty_floor=False))
     first = pack(plan.trees, engine.buckets)[0]

@@ -46,15 +46,14 @@ from transformers import (
 
 from spinf_jax.engine import Engine
 from spinf_jax.loader import Model, load_weights
-from spinf_jax.models import gemma3, gemma4, qwen3
+from spinf_jax.models import abstract_decoder
 from spinf_jax.packer import Buckets
-from spinf_jax.quant import Precision
 from spinf_jax.tokenizer import Tokenizer
 
 FAMILIES = {
-    "gemma3_text": (gemma3, Gemma3ForCausalLM, Gemma3TextConfig),
-    "qwen3": (qwen3, Qwen3ForCausalLM, Qwen3Config),
-    "gemma4_text": (gemma4, Gemma4ForCausalLM, Gemma4TextConfig),
+    "gemma3_text": (Gemma3ForCausalLM, Gemma3TextConfig),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config),
+    "gemma4_text": (Gemma4ForCausalLM, Gemma4TextConfig),
 }
 # Parity at real widths: the config, how many of its first layers (enough to cover every layer type).
 PARITY = {"gemma3": (GEMMA3_12B, 6), "qwen3": (QWEN3_8B, 4), "gemma4": (GEMMA4_12B, 6)}
@@ -87,7 +86,7 @@ class TorchWeights:
 
 def hf_model(config: dict, dtype, attn: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    _, hf_class, config_class = FAMILIES[config["model_type"]]
+    hf_class, config_class = FAMILIES[config["model_type"]]
     cfg = config_class(**{k: v for k, v in config.items() if k != "model_type"})
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = hf_class._from_config(cfg, dtype=dtype, attn_implementation=attn)
@@ -104,11 +103,10 @@ def hf_model(config: dict, dtype, attn: str) -> torch.nn.Module:
 
 
 def our_engine(hf: torch.nn.Module, config: dict, precision: str, tok: Tokenizer, buckets: Buckets) -> Engine:
-    family = FAMILIES[config["model_type"]][0]
-    cfg = family.Config.from_hf(config)
-    params = load_weights(family.param_specs(cfg), TorchWeights(hf, config), Precision(precision))
+    decoder = abstract_decoder(config, precision)
+    load_weights(decoder, TorchWeights(hf, config))
     name = f"{config['model_type']}-real-shape-{precision}"
-    return Engine(Model(name, family, cfg, Precision(precision), params, tok, digest="seed0"), buckets)
+    return Engine(Model(name, decoder, tok, digest="seed0"), buckets)
 
 
 def parity(config: dict, layers: int, tok, request: dict, articles, questions, options) -> dict:
@@ -246,7 +244,7 @@ def main() -> None:
     # Throughput: the whole model, the same weights in every engine, one run.
     peaks = gemm_peaks()
     results["gemm_peaks"] = peaks
-    params = linear_params(gemma3, gemma3.Config.from_hf(config))
+    params = linear_params(abstract_decoder(config, "bf16"))
     useful = [len(a) + len(q) for a in articles for q in questions]  # tokens a question needs read
     hf = hf_model(config, torch.bfloat16, "sdpa")
     baseline_b(hf, articles, questions, options)  # warm-up

@@ -34,7 +34,7 @@ from pallas_kernels.tree_attention import blockwise, kernel, reference
 from spinf_jax.engine import Engine
 from spinf_jax.layout import QuestionKey, build_tree
 from spinf_jax.loader import Model, load_weights
-from spinf_jax.models import family_for
+from spinf_jax.models import abstract_decoder
 from spinf_jax.packer import Buckets, pack
 from spinf_jax.quant import Precision, linear, quantize
 from spinf_jax.tokenizer import Tokenizer
@@ -108,20 +108,17 @@ def main() -> None:
     check_kernel(results)
     check_fp8(results)
 
-    cfg_dict = GEMMA3_12B
-    family = family_for(cfg_dict)
-    cfg = family.Config.from_hf(cfg_dict)
     precision = Precision(args.precision)
     start = time.perf_counter()
-    specs = family.param_specs(cfg)
-    params = load_weights(specs, SyntheticCheckpoint(specs, cfg_dict), precision)
+    decoder = abstract_decoder(GEMMA3_12B, precision)
+    load_weights(decoder, SyntheticCheckpoint(decoder, GEMMA3_12B))
     memory = jax.devices()[0].memory_stats() or {}
     tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
-    model = Model("gemma-3-12b-shape-random", family, cfg, precision, params, tok, digest="random-0")
+    model = Model("gemma-3-12b-shape-random", decoder, tok, digest="random-0")
     results["model"] = {
         "config": "gemma-3-12b text",
         "precision": precision.value,
-        "linear_params": linear_params(family, cfg),
+        "linear_params": linear_params(decoder),
         "load_seconds": time.perf_counter() - start,
         "weights_device_gib": memory.get("bytes_in_use", 0) / 2**30,
         "load_peak_device_gib": memory.get("peak_bytes_in_use", 0) / 2**30,

@@ -21,7 +21,7 @@ from common import GEMMA3_12B, linear_params, seed_job, seed_request
 from spinf_jax.engine import Engine
 from spinf_jax.layout import QuestionKey, build_tree
 from spinf_jax.loader import Model, load_model, random_weights
-from spinf_jax.models import family_for
+from spinf_jax.models import abstract_decoder
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision
 from spinf_jax.tokenizer import Tokenizer
@@ -71,7 +71,7 @@ def throughput(
         "seconds": seconds,
         "questions_per_second": questions / seconds,
         "tokens_per_second": tokens / seconds,
-        "linear_tflops": 2 * linear_params(model.family, model.config) * tokens / seconds / 1e12,
+        "linear_tflops": 2 * linear_params(model.decoder) * tokens / seconds / 1e12,
     }
 
 
@@ -88,12 +88,10 @@ def main() -> None:
         results["invariance"][str(tile)] = invariance(tile)
         print("invariance", tile, results["invariance"][str(tile)], flush=True)
 
-    cfg_dict = {**GEMMA3_12B, "num_hidden_layers": args.layers}
-    family = family_for(cfg_dict)
-    cfg = family.Config.from_hf(cfg_dict)
-    params = random_weights(family.param_specs(cfg), Precision.FP8, jax.random.key(0))
+    decoder = abstract_decoder({**GEMMA3_12B, "num_hidden_layers": args.layers}, Precision.FP8)
+    random_weights(decoder, jax.random.key(0))
     tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
-    model = Model("gemma-3-12b-width-random", family, cfg, Precision.FP8, params, tok, digest="random-0")
+    model = Model("gemma-3-12b-width-random", decoder, tok, digest="random-0")
     job = seed_job()
     request = seed_request(job)
     questions = len(job["contents"]) * len(job["questions"])

@@ -15,18 +15,14 @@ from common import GEMMA3_12B
 
 from spinf_jax.engine import Engine
 from spinf_jax.loader import Model
-from spinf_jax.models import family_for
-from spinf_jax.models.params import abstract
+from spinf_jax.models import abstract_decoder
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision
 
 
 def temp_gib(layers: int, bucket: int, precision: Precision, tile: int | None) -> tuple[float, float]:
-    cfg_dict = {**GEMMA3_12B, "num_hidden_layers": layers}
-    family = family_for(cfg_dict)
-    cfg = family.Config.from_hf(cfg_dict)
-    params = abstract(family.param_specs(cfg), precision)
-    model = Model("abstract", family, cfg, precision, params, None, digest="abstract", row_tile=tile)
+    decoder = abstract_decoder({**GEMMA3_12B, "num_hidden_layers": layers}, precision)
+    model = Model("abstract", decoder, None, digest="abstract", row_tile=tile)
     start = time.perf_counter()
     memory = Engine(model, Buckets((bucket,))).lowered(bucket).compile().memory_analysis()
     return memory.temp_size_in_bytes / 2**30, time.perf_counter() - start

@@ -18,6 +18,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from spinf_jax.layout import QuestionKey, Tree, build_tree
 from spinf_jax.loader import DEFAULT_MODEL, Model, load_model
@@ -36,21 +37,19 @@ def use_compilation_cache(path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _score_pass(params, batch: TreeBatch, read_rows, target_read, target_token, *, model: Model):
+def _score_pass(state, batch: TreeBatch, read_rows, target_read, target_token, *, graphdef, row_tile):
     """One pass: every target's log-prob [max_targets], and the most likely next token at each read row
     [max_reads] (from the same full-vocabulary logits as the log-softmax normalisers)."""
-    family, cfg = model.family, model.config
-    hidden = family.forward(params, batch, cfg, model.precision, model.row_tile)[read_rows]  # [R, D]
+    decoder = nnx.merge(graphdef, state)
+    hidden = decoder(batch, row_tile)[read_rows]  # [R, D]
     chunks = hidden.reshape(-1, READ_CHUNK, hidden.shape[-1])
 
     def read(h):  # [READ_CHUNK, D] → normaliser and argmax per row
-        logits = family.logits(params, h, cfg)
+        logits = decoder.logits(h)
         return jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     norm, top = (x.reshape(-1) for x in jax.lax.map(read, chunks))
-    picked = by_rows(
-        lambda h, t: family.token_logits(params, h, t, cfg), model.row_tile, hidden[target_read], target_token
-    )
+    picked = by_rows(decoder.token_logits, row_tile, hidden[target_read], target_token)
     # The target logit comes from a row-wise dot, the normaliser from the GEMM: they can disagree in the
     # last bits, so a certain token could come out at +1e-7. Clamp to a probability.
     return jnp.minimum(picked - norm[target_read], 0.0), top
@@ -106,7 +105,10 @@ class Engine:
         self._floor_cache_size = floor_cache
         self._floor_lock = threading.Lock()  # read on request threads, written by the engine thread
         self.on_pass = None  # optional callback(bucket size, seconds) after each pass, for metrics
-        self._run = jax.jit(partial(_score_pass, model=model))
+        # Split once: the compiled step is a plain jax.jit over the weights' state, the module structure is
+        # static. (Weights changed on model.decoder after this are not seen by this engine.)
+        graphdef, self._state = nnx.split(model.decoder)
+        self._run = jax.jit(partial(_score_pass, graphdef=graphdef, row_tile=model.row_tile))
 
     @classmethod
     def load(cls, spec: str = DEFAULT_MODEL, precision: str = "bf16", **kwargs) -> "Engine":
@@ -123,7 +125,7 @@ class Engine:
     def _pass_args(self, p: Pass) -> tuple:
         arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)
         batch = TreeBatch(*map(jnp.asarray, arrays))
-        return self.model.params, batch, p.read_rows, p.target_read, p.target_token
+        return self._state, batch, p.read_rows, p.target_read, p.target_token
 
     def _run_pass(self, p: Pass) -> tuple[np.ndarray, np.ndarray]:
         return tuple(map(np.asarray, self._run(*self._pass_args(p))))

@@ -9,15 +9,16 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from types import ModuleType
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from spinf_jax.checkpoint import GGUFFile, SafetensorsFolder
-from spinf_jax.models import family_for
+from spinf_jax.models import abstract_decoder
+from spinf_jax.models.decoder import Decoder, hidden_states
 from spinf_jax.models.layers import TreeBatch
-from spinf_jax.models.params import Param, is_param, stored_as
+from spinf_jax.models.params import params, stored_as
 from spinf_jax.quant import Precision, quantize
 from spinf_jax.tokenizer import Tokenizer
 
@@ -76,17 +77,20 @@ def _to_final(w: jax.Array, precision: Precision):
     return quantize(w, precision)
 
 
-def load_weights(specs, checkpoint, precision: Precision):
-    """Fill the family's Param tree: one tensor read, moved to the device and cast/quantized at a time."""
+def _fill(param: nnx.Param, w: jax.Array, precision: Precision) -> None:
+    # Wait for each tensor: else reads run ahead of the device and full-precision copies pile up there.
+    param.set_value(jax.block_until_ready(_to_final(w, stored_as(param.kind, precision))))
 
-    def one(p: Param):
-        w = checkpoint.get(p.source)
-        if tuple(w.shape) != p.shape:
-            raise ValueError(f"{p.source}: checkpoint shape {tuple(w.shape)} != expected {p.shape}")
-        # Wait for each tensor: else reads run ahead of the device and full-precision copies pile up there.
-        return jax.block_until_ready(_to_final(jnp.asarray(w), stored_as(p, precision)))
 
-    return jax.tree.map(one, specs, is_leaf=is_param)
+def load_weights(decoder: Decoder, checkpoint) -> None:
+    """Fill an abstract decoder's Params in place: one tensor read, moved to the device and cast/quantized at
+    a time, so host memory holds one tensor, not the model."""
+    for param in params(decoder):
+        w = checkpoint.get(param.source)
+        expected = tuple(param.get_value().shape)
+        if tuple(w.shape) != expected:
+            raise ValueError(f"{param.source}: checkpoint shape {tuple(w.shape)} != expected {expected}")
+        _fill(param, jnp.asarray(w), decoder.precision)
 
 
 _DIGESTS = Path(os.environ.get("SPINF_CACHE", Path.home() / ".cache" / "spinf-jax")) / "digests.json"
@@ -121,17 +125,13 @@ def checkpoint_digest(path: Path) -> str:
     return total.hexdigest()
 
 
-def random_weights(specs, precision: Precision, key: jax.Array, std: float = 0.02):
-    """Random weights at the family's real shapes, in their final form: for speed and memory measurements
-    and GPU parity against a reference given the same weights (throughput does not depend on values)."""
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_param)
-    keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten(
-        [
-            _to_final(jax.random.normal(k, p.shape, jnp.bfloat16) * std, stored_as(p, precision))
-            for p, k in zip(leaves, keys, strict=True)
-        ]
-    )
+def random_weights(decoder: Decoder, key: jax.Array, std: float = 0.02) -> None:
+    """Fill an abstract decoder with random weights at its real shapes, in their final form: for speed and
+    memory measurements and GPU parity against a reference given the same weights (throughput does not
+    depend on values)."""
+    for param, k in zip(params(decoder), jax.random.split(key, len(params(decoder))), strict=True):
+        shape = param.get_value().shape
+        _fill(param, jax.random.normal(k, shape, jnp.bfloat16) * std, decoder.precision)
 
 
 def default_row_tile() -> int:
@@ -141,13 +141,10 @@ def default_row_tile() -> int:
 
 @dataclass
 class Model:
-    """A loaded model: config, weights on the device, tokenizer, and the compiled forward pieces."""
+    """A loaded model: its NNX decoder (weights on the device), the tokenizer, and how it runs its rows."""
 
     name: str
-    family: ModuleType
-    config: object
-    precision: Precision
-    params: dict
+    decoder: Decoder
     tokenizer: Tokenizer | None
     digest: str = ""  # checkpoint_digest of what was loaded
     load_seconds: float = 0.0
@@ -156,56 +153,63 @@ class Model:
     row_tile: int | None = field(default_factory=default_row_tile)
     _jitted: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def config(self):
+        return self.decoder.config
+
+    @property
+    def precision(self) -> Precision:
+        return self.decoder.precision
+
+    def _apply(self, name: str, fn, *args):
+        """fn(decoder, *args), compiled once as a plain jax.jit over the decoder's split state."""
+        jitted = self._jitted.get(name)
+        if jitted is None:
+            jitted = self._jitted[name] = jax.jit(
+                lambda graphdef, state, *a: fn(nnx.merge(graphdef, state), *a), static_argnums=0
+            )
+        return jitted(*nnx.split(self.decoder), *args)
+
     def hidden(self, batch: TreeBatch) -> jax.Array:
         """[T, hidden] final hidden states of a packed pass."""
-        fn = self._jitted.get("hidden")
-        if fn is None:
-            fn = self._jitted["hidden"] = jax.jit(
-                partial(
-                    self.family.forward, cfg=self.config, precision=self.precision, row_tile=self.row_tile
-                )
-            )
-        return fn(self.params, batch)
+        return self._apply("hidden", lambda d, b: d(b, self.row_tile), batch)
+
+    def hidden_states(self, batch: TreeBatch, rows: jax.Array) -> jax.Array:
+        """[layers + 1, N, hidden]: the residual stream at `rows` entering every layer, then the final normed
+        output (models.decoder.hidden_states)."""
+        capture = partial(hidden_states, row_tile=self.row_tile)
+        return self._apply("hidden_states", capture, batch, rows)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] → [N, vocab] f32 logits."""
-        fn = self._jitted.get("logits")
-        if fn is None:
-            fn = self._jitted["logits"] = jax.jit(partial(self.family.logits, cfg=self.config))
-        return fn(self.params, hidden)
+        return self._apply("logits", lambda d, h: d.logits(h), hidden)
 
     def logprobs(self, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Log-probabilities of chosen next tokens, without keeping a [N, vocab] matrix around.
 
         hidden [N, hidden], targets [N, K] token ids → (log P(targets) [N, K] f32, argmax token [N]).
         """
-        fn = self._jitted.get("logprobs")
-        if fn is None:
 
-            def logprobs(params, hidden, targets):
-                logits = self.family.logits(params, hidden, self.config)
-                norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-                picked = jnp.take_along_axis(logits, targets, axis=-1) - norm
-                return picked, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        def logprobs(decoder, hidden, targets):
+            logits = decoder.logits(hidden)
+            norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+            picked = jnp.take_along_axis(logits, targets, axis=-1) - norm
+            return picked, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-            fn = self._jitted["logprobs"] = jax.jit(logprobs)
-        return fn(self.params, hidden, targets)
+        return self._apply("logprobs", logprobs, hidden, targets)
 
 
 def load_model(spec: str = DEFAULT_MODEL, precision: Precision | str = Precision.BF16) -> Model:
-    precision = Precision(precision)
     start = time.perf_counter()
     path = resolve(spec)
     checkpoint = open_checkpoint(path)
-    family = family_for(checkpoint.config)
-    config = family.Config.from_hf(checkpoint.config)
-    params = load_weights(family.param_specs(config), checkpoint, precision)
+    decoder = abstract_decoder(checkpoint.config, precision)
+    load_weights(decoder, checkpoint)
     if isinstance(checkpoint, GGUFFile):
         tokenizer = Tokenizer.from_gguf(checkpoint)
     elif (checkpoint.folder / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_folder(checkpoint.folder)
     else:
         tokenizer = None  # tiny test checkpoints are scored from token ids
-    jax.block_until_ready(params)
     digest = checkpoint_digest(path)
-    return Model(spec, family, config, precision, params, tokenizer, digest, time.perf_counter() - start)
+    return Model(spec, decoder, tokenizer, digest, time.perf_counter() - start)

@@ -60,10 +60,11 @@ def quantize(w: jax.Array, precision: Precision) -> Weight:
 def _quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per-token (per-row) dynamic fp8 scaling: each row's scale depends only on that row, which keeps
     a token's result independent of whatever else is in the batch."""
-    x = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    return (x / scale).astype(jnp.float8_e4m3fn), scale
+    with jax.named_scope("quantize"):
+        x = x.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+        return (x / scale).astype(jnp.float8_e4m3fn), scale
 
 
 def matmul_precision(dtype):

@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 from spinf_jax.compiler import Limits, ScoringError
 from spinf_jax.engine import Engine
 from spinf_jax.loader import Model
-from spinf_jax.models import family_for
+from spinf_jax.models import abstract_decoder
 from spinf_jax.models.layers import TreeBatch
-from spinf_jax.models.params import abstract
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision
 from spinf_jax.scoring import Scorer
@@ -240,10 +239,7 @@ def test_pass_temporaries_do_not_grow_with_depth(family):
         cfg_dict = {**config, "num_hidden_layers": layers}
         if family == "gemma3":
             cfg_dict["layer_types"] = (["sliding_attention"] * 5 + ["full_attention"]) * (layers // 6)
-        fam = family_for(cfg_dict)
-        cfg = fam.Config.from_hf(cfg_dict)
-        params = abstract(fam.param_specs(cfg), Precision.FP32)
-        model = Model("abstract", fam, cfg, Precision.FP32, params, None, digest="abstract")
+        model = Model("abstract", abstract_decoder(cfg_dict, Precision.FP32), None, digest="abstract")
         engine = Engine(model, Buckets((1024,), block=32))
         return engine.lowered(1024).compile().memory_analysis().temp_size_in_bytes
 

@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from spinf_jax.loader import load_model
+from spinf_jax.models import abstract_decoder
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.models.params import nbytes
 from spinf_jax.quant import QuantArray
@@ -61,14 +63,16 @@ def test_hub_id_from_offline_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
 def test_quantized_weights_are_data(precision, family):
     model = load_model(str(TINY / family), precision)
-    q = model.params["layers"][0]["q"]
+    layer = model.decoder.layers[0]
+    q = layer.q.get_value()
     assert isinstance(q, QuantArray)
     assert q.values.dtype == (jnp.float8_e4m3fn if precision == "fp8" else jnp.int8)
     assert q.values.shape == (4 * 32, 64) and q.scale.shape == (128,)  # [out, in], one scale per out row
-    assert model.params["layers"][0]["input_norm"].dtype == jnp.float32
-    assert model.params["embed"].dtype == jnp.bfloat16  # the LM head stays bf16 (see loader)
-    leaves = jax.tree.leaves(model.params)
-    assert sum(x.nbytes for x in leaves) == nbytes(model.family.param_specs(model.config), model.precision)
+    assert layer.input_norm.get_value().dtype == jnp.float32
+    assert model.decoder.embed.get_value().dtype == jnp.bfloat16  # the LM head stays bf16 (see loader)
+    leaves = jax.tree.leaves(nnx.state(model.decoder, nnx.Param))
+    config = json.loads((TINY / family / "config.json").read_text())
+    assert sum(x.nbytes for x in leaves) == nbytes(abstract_decoder(config, precision))
 
 
 def test_gemma4_inside_a_multimodal_checkpoint(tmp_path):
@@ -136,7 +140,7 @@ def test_loading_keeps_host_memory_near_one_copy():
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024;"
         "m = L.load_model('spinf/smollm2-135m-instruct', 'fp32');"
         "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024;"
-        "print(peak - base, P.nbytes(m.family.param_specs(m.config), m.precision))"
+        "print(peak - base, P.nbytes(m.decoder))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     grown, final = map(int, out.stdout.split()[-2:])

@@ -1,22 +1,36 @@
-"""Model families. Each family module provides Config.from_hf, param_specs, forward and logits."""
+"""Model families, one file each, as Flax NNX modules: a family's `Decoder` subclass declares its weights
+(nnx.Params named after the Hugging Face tensors) and its forward pass; its `Config.from_hf` reads a
+transformers config."""
 
-from types import ModuleType
+from flax import nnx
 
-from spinf_jax.models import gemma3, gemma4, qwen3
+from spinf_jax.models.decoder import Decoder
+from spinf_jax.models.gemma3 import Gemma3
+from spinf_jax.models.gemma4 import Gemma4
+from spinf_jax.models.llama import Llama
+from spinf_jax.quant import Precision
 
-_FAMILIES: dict[str, ModuleType] = {
-    "gemma3_text": gemma3,
-    "gemma3": gemma3,
-    "gemma4_text": gemma4,
-    "gemma4": gemma4,
-    "qwen3": qwen3,
-    "qwen2": qwen3,
-    "llama": qwen3,
+_FAMILIES: dict[str, type[Decoder]] = {
+    "gemma3_text": Gemma3,
+    "gemma3": Gemma3,
+    "gemma4_text": Gemma4,
+    "gemma4": Gemma4,
+    "qwen3": Llama,
+    "qwen2": Llama,
+    "llama": Llama,
 }
 
 
-def family_for(hf_config: dict) -> ModuleType:
+def family_for(hf_config: dict) -> type[Decoder]:
     model_type = hf_config.get("text_config", hf_config).get("model_type", hf_config.get("model_type"))
     if model_type not in _FAMILIES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(_FAMILIES)}")
     return _FAMILIES[model_type]
+
+
+def abstract_decoder(hf_config: dict, precision: Precision | str) -> Decoder:
+    """The model a transformers config describes, with every weight abstract (shapes and dtypes, no memory):
+    for a loader to fill, or to compile and inspect programs without weights."""
+    family = family_for(hf_config)
+    config = family.Config.from_hf(hf_config)
+    return nnx.eval_shape(lambda: family(config, Precision(precision)))

@@ -1,4 +1,4 @@
-"""Gemma 3 text decoder (google/gemma-3-*), as a plain forward function over a packed tree batch.
+"""Gemma 3 text decoder (google/gemma-3-*) as NNX modules over a packed tree batch.
 
 What differs from Llama: RMSNorm scales by (1 + w); four norms per layer (before and after attention and
 MLP) plus per-head q/k norms; queries scaled by query_pre_attn_scalar^-0.5; embeddings multiplied by
@@ -7,10 +7,11 @@ layers; GeGLU (tanh gelu); tied embeddings.
 """
 
 from dataclasses import dataclass
-from functools import partial
 
 import jax
+from flax import nnx
 
+from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.layers import (
     GLOBAL,
     SLIDING,
@@ -21,12 +22,10 @@ from spinf_jax.models.layers import (
     embedding_scale,
     gated_mlp,
     gelu_tanh,
-    head_logits,
-    head_token_logits,
     rms_norm,
     tree_attention,
 )
-from spinf_jax.models.params import Kind, Param
+from spinf_jax.models.params import Kind, weight
 from spinf_jax.quant import Precision, embed, linear
 
 
@@ -81,80 +80,65 @@ class Config:
         )
 
 
-def param_specs(cfg: Config) -> dict:
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+class Layer(nnx.Module):
+    def __init__(self, cfg: Config, i: int, precision: Precision):
+        d, f, hd, p = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, f"model.layers.{i}."
+        self.cfg = cfg
+        self.sliding = cfg.layer_types[i] == SLIDING
+        self.input_norm = weight((d,), p + "input_layernorm.weight", Kind.NORM, precision)
+        self.q = weight((cfg.num_heads * hd, d), p + "self_attn.q_proj.weight", Kind.LINEAR, precision)
+        self.k = weight((cfg.num_kv_heads * hd, d), p + "self_attn.k_proj.weight", Kind.LINEAR, precision)
+        self.v = weight((cfg.num_kv_heads * hd, d), p + "self_attn.v_proj.weight", Kind.LINEAR, precision)
+        self.o = weight((d, cfg.num_heads * hd), p + "self_attn.o_proj.weight", Kind.LINEAR, precision)
+        self.q_norm = weight((hd,), p + "self_attn.q_norm.weight", Kind.NORM, precision)
+        self.k_norm = weight((hd,), p + "self_attn.k_norm.weight", Kind.NORM, precision)
+        self.post_attn_norm = weight((d,), p + "post_attention_layernorm.weight", Kind.NORM, precision)
+        self.pre_mlp_norm = weight((d,), p + "pre_feedforward_layernorm.weight", Kind.NORM, precision)
+        self.gate = weight((f, d), p + "mlp.gate_proj.weight", Kind.LINEAR, precision)
+        self.up = weight((f, d), p + "mlp.up_proj.weight", Kind.LINEAR, precision)
+        self.down = weight((d, f), p + "mlp.down_proj.weight", Kind.LINEAR, precision)
+        self.post_mlp_norm = weight((d,), p + "post_feedforward_layernorm.weight", Kind.NORM, precision)
 
-    def layer(i: int) -> dict:
-        p = f"model.layers.{i}."
-        return {
-            "input_norm": Param((d,), p + "input_layernorm.weight", Kind.NORM),
-            "q": Param((cfg.num_heads * hd, d), p + "self_attn.q_proj.weight", Kind.LINEAR),
-            "k": Param((cfg.num_kv_heads * hd, d), p + "self_attn.k_proj.weight", Kind.LINEAR),
-            "v": Param((cfg.num_kv_heads * hd, d), p + "self_attn.v_proj.weight", Kind.LINEAR),
-            "o": Param((d, cfg.num_heads * hd), p + "self_attn.o_proj.weight", Kind.LINEAR),
-            "q_norm": Param((hd,), p + "self_attn.q_norm.weight", Kind.NORM),
-            "k_norm": Param((hd,), p + "self_attn.k_norm.weight", Kind.NORM),
-            "post_attn_norm": Param((d,), p + "post_attention_layernorm.weight", Kind.NORM),
-            "pre_mlp_norm": Param((d,), p + "pre_feedforward_layernorm.weight", Kind.NORM),
-            "gate": Param((f, d), p + "mlp.gate_proj.weight", Kind.LINEAR),
-            "up": Param((f, d), p + "mlp.up_proj.weight", Kind.LINEAR),
-            "down": Param((d, f), p + "mlp.down_proj.weight", Kind.LINEAR),
-            "post_mlp_norm": Param((d,), p + "post_feedforward_layernorm.weight", Kind.NORM),
-        }
-
-    return {
-        "embed": Param((cfg.vocab_size, d), "model.embed_tokens.weight", Kind.EMBED),
-        "layers": [layer(i) for i in range(cfg.num_layers)],
-        "final_norm": Param((d,), "model.norm.weight", Kind.NORM),
-    }
-
-
-def _norm(x, w, cfg: Config):
-    return rms_norm(x, w, cfg.rms_norm_eps, style="gemma3")
-
-
-def _qkv(x, positions, w, cfg: Config, rope: Rope):
-    """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden]."""
-    t = x.shape[0]
-    h = _norm(x, w["input_norm"], cfg)
-    q = _norm(linear(h, w["q"]).reshape(t, cfg.num_heads, cfg.head_dim), w["q_norm"], cfg)
-    k = _norm(linear(h, w["k"]).reshape(t, cfg.num_kv_heads, cfg.head_dim), w["k_norm"], cfg)
-    v = linear(h, w["v"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    return apply_rope(q, positions, rope), apply_rope(k, positions, rope), v
-
-
-def _after_attention(x, attn, w, cfg: Config):
-    """Row-local: output projection, MLP and residuals."""
-    x = x + _norm(linear(attn.reshape(x.shape[0], -1), w["o"]), w["post_attn_norm"], cfg)
-    h = gated_mlp(_norm(x, w["pre_mlp_norm"], cfg), w["gate"], w["up"], w["down"], gelu_tanh)
-    return x + _norm(h, w["post_mlp_norm"], cfg)
-
-
-def forward(
-    params: dict, batch: TreeBatch, cfg: Config, precision: Precision, row_tile: int | None = None
-) -> jax.Array:
-    """Final hidden states [T, hidden] for every token of the pass (logits come from `logits`)."""
-    dtype = precision.activation_dtype
-    x = by_rows(
-        lambda t: embed(t, params["embed"], dtype) * embedding_scale(cfg.hidden_size, dtype),
-        row_tile,
-        batch.tokens,
-    )
-    for w, layer_type in zip(params["layers"], cfg.layer_types, strict=True):
-        sliding = layer_type == SLIDING
-        rope = cfg.rope_local if sliding else cfg.rope_global
-        q, k, v = by_rows(partial(_qkv, w=w, cfg=cfg, rope=rope), row_tile, x, batch.positions)
-        scale, window = cfg.query_pre_attn_scalar**-0.5, cfg.sliding_window if sliding else None
+    def __call__(self, x: jax.Array, batch: TreeBatch, row_tile: int | None) -> jax.Array:
+        cfg = self.cfg
+        q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
+        scale, window = cfg.query_pre_attn_scalar**-0.5, cfg.sliding_window if self.sliding else None
         attn = tree_attention(q, k, v, batch, scale=scale, window=window)
-        x = by_rows(partial(_after_attention, w=w, cfg=cfg), row_tile, x, attn)
-    return by_rows(lambda x: _norm(x, params["final_norm"], cfg), row_tile, x)
+        return by_rows(self._after_attention, row_tile, x, attn)
+
+    def _qkv(self, x, positions):
+        """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden]."""
+        cfg, t = self.cfg, x.shape[0]
+        rope = cfg.rope_local if self.sliding else cfg.rope_global
+        h = _norm(x, self.input_norm, cfg)
+        q = _norm(linear(h, self.q.get_value()).reshape(t, cfg.num_heads, cfg.head_dim), self.q_norm, cfg)
+        k = _norm(linear(h, self.k.get_value()).reshape(t, cfg.num_kv_heads, cfg.head_dim), self.k_norm, cfg)
+        v = linear(h, self.v.get_value()).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        return apply_rope(q, positions, rope), apply_rope(k, positions, rope), v
+
+    def _after_attention(self, x, attn):
+        """Row-local: output projection, MLP and residuals."""
+        cfg = self.cfg
+        x = x + _norm(linear(attn.reshape(x.shape[0], -1), self.o.get_value()), self.post_attn_norm, cfg)
+        mlp = (self.gate.get_value(), self.up.get_value(), self.down.get_value())
+        h = gated_mlp(_norm(x, self.pre_mlp_norm, cfg), *mlp, gelu_tanh)
+        return x + _norm(h, self.post_mlp_norm, cfg)
 
 
-def logits(params: dict, hidden: jax.Array, cfg: Config) -> jax.Array:
-    """[N, hidden] → [N, vocab] f32 logits through the tied embedding, only for the rows asked for."""
-    return head_logits(hidden, params["embed"], cfg.final_logit_softcapping)
+class Gemma3(Decoder):
+    Config = Config
+
+    def __init__(self, cfg: Config, precision: Precision):
+        layers = [Layer(cfg, i, precision) for i in range(cfg.num_layers)]
+        super().__init__(cfg, precision, layers, tied=True, softcap=cfg.final_logit_softcapping)
+
+    def _embed(self, tokens):
+        dtype = self.precision.activation_dtype
+        return embed(tokens, self.embed.get_value(), dtype) * embedding_scale(self.config.hidden_size, dtype)
+
+    def _final_norm(self, x):
+        return _norm(x, self.final_norm, self.config)
 
 
-def token_logits(params: dict, hidden: jax.Array, tokens: jax.Array, cfg: Config) -> jax.Array:
-    """[N, hidden], [N] token ids → [N] f32: each row's logit for its one token."""
-    return head_token_logits(hidden, params["embed"], tokens, cfg.final_logit_softcapping)
+def _norm(x, w: nnx.Param, cfg: Config):
+    return rms_norm(x, w.get_value(), cfg.rms_norm_eps, style="gemma3")

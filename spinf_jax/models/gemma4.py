@@ -1,4 +1,4 @@
-"""Gemma 4 text decoder (google/gemma-4-*), dense variants: a plain forward function over a packed tree batch.
+"""Gemma 4 text decoder (google/gemma-4-*), dense variants, as NNX modules over a packed tree batch.
 
 What differs from Gemma 3: RMSNorm scales by w (not 1 + w) and v gets a weightless RMSNorm; attention scale 1
 (q/k norms do the scaling); sliding layers (local rope, head_dim 256 in the real models) and global layers
@@ -14,10 +14,11 @@ The MoE variant (enable_moe_block, 26B-A4B) is not supported: loading it is refu
 
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import jax
+from flax import nnx
 
+from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.layers import (
     GLOBAL,
     SLIDING,
@@ -28,12 +29,10 @@ from spinf_jax.models.layers import (
     embedding_scale,
     gated_mlp,
     gelu_tanh,
-    head_logits,
-    head_token_logits,
     rms_norm,
     tree_attention,
 )
-from spinf_jax.models.params import Kind, Param
+from spinf_jax.models.params import Kind, weight
 from spinf_jax.quant import Precision, embed, linear
 
 
@@ -125,125 +124,118 @@ class Config:
         return self.k_eq_v and self.layer_types[i] == GLOBAL
 
 
-def param_specs(cfg: Config) -> dict:
-    d, p = cfg.hidden_size, "model."  # a multimodal checkpoint's text weights are found one level down
-
-    def layer(i: int) -> dict:
-        n, hd, kv = f"{p}layers.{i}.", cfg.head_dims[i], cfg.kv_heads[i]
+class Layer(nnx.Module):
+    def __init__(self, cfg: Config, i: int, precision: Precision):
+        d, hd, kv, n = cfg.hidden_size, cfg.head_dims[i], cfg.kv_heads[i], f"model.layers.{i}."
+        self.cfg, self.i = cfg, i
+        self.sliding = cfg.layer_types[i] == SLIDING
         shared = cfg.kv_source(i) != i
         f = cfg.intermediate_size * (2 if shared and cfg.double_wide_mlp else 1)
-        w = {
-            "input_norm": Param((d,), n + "input_layernorm.weight", Kind.NORM),
-            "q": Param((cfg.num_heads * hd, d), n + "self_attn.q_proj.weight", Kind.LINEAR),
-            "q_norm": Param((hd,), n + "self_attn.q_norm.weight", Kind.NORM),
-            "o": Param((d, cfg.num_heads * hd), n + "self_attn.o_proj.weight", Kind.LINEAR),
-            "post_attn_norm": Param((d,), n + "post_attention_layernorm.weight", Kind.NORM),
-            "pre_mlp_norm": Param((d,), n + "pre_feedforward_layernorm.weight", Kind.NORM),
-            "gate": Param((f, d), n + "mlp.gate_proj.weight", Kind.LINEAR),
-            "up": Param((f, d), n + "mlp.up_proj.weight", Kind.LINEAR),
-            "down": Param((d, f), n + "mlp.down_proj.weight", Kind.LINEAR),
-            "post_mlp_norm": Param((d,), n + "post_feedforward_layernorm.weight", Kind.NORM),
-            "scalar": Param((1,), n + "layer_scalar", Kind.NORM),
-        }
-        if not shared:
-            w["k"] = Param((kv * hd, d), n + "self_attn.k_proj.weight", Kind.LINEAR)
-            w["k_norm"] = Param((hd,), n + "self_attn.k_norm.weight", Kind.NORM)
-            if not cfg.v_is_k(i):
-                w["v"] = Param((kv * hd, d), n + "self_attn.v_proj.weight", Kind.LINEAR)
-        if cfg.per_layer_size:
-            w["pl_gate"] = Param((cfg.per_layer_size, d), n + "per_layer_input_gate.weight", Kind.LINEAR)
-            w["pl_proj"] = Param((d, cfg.per_layer_size), n + "per_layer_projection.weight", Kind.LINEAR)
-            w["pl_norm"] = Param((d,), n + "post_per_layer_input_norm.weight", Kind.NORM)
-        return w
 
-    specs = {
-        "embed": Param((cfg.vocab_size, d), p + "embed_tokens.weight", Kind.EMBED),
-        "layers": [layer(i) for i in range(cfg.num_layers)],
-        "final_norm": Param((d,), p + "norm.weight", Kind.NORM),
-    }
-    if cfg.per_layer_size:
-        width = cfg.num_layers * cfg.per_layer_size
-        specs["pl_embed"] = Param(
-            (cfg.per_layer_vocab, width), p + "embed_tokens_per_layer.weight", Kind.EMBED
-        )
-        specs["pl_model_proj"] = Param((width, d), p + "per_layer_model_projection.weight", Kind.LINEAR)
-        specs["pl_proj_norm"] = Param(
-            (cfg.per_layer_size,), p + "per_layer_projection_norm.weight", Kind.NORM
-        )
-    if not cfg.tie_embeddings:
-        specs["lm_head"] = Param((cfg.vocab_size, d), "lm_head.weight", Kind.EMBED)
-    return specs
+        def w(shape, name, kind, present=True):
+            return weight(shape, n + name, kind, precision, present)
 
+        self.input_norm = w((d,), "input_layernorm.weight", Kind.NORM)
+        self.q = w((cfg.num_heads * hd, d), "self_attn.q_proj.weight", Kind.LINEAR)
+        self.q_norm = w((hd,), "self_attn.q_norm.weight", Kind.NORM)
+        self.o = w((d, cfg.num_heads * hd), "self_attn.o_proj.weight", Kind.LINEAR)
+        self.post_attn_norm = w((d,), "post_attention_layernorm.weight", Kind.NORM)
+        self.pre_mlp_norm = w((d,), "pre_feedforward_layernorm.weight", Kind.NORM)
+        self.gate = w((f, d), "mlp.gate_proj.weight", Kind.LINEAR)
+        self.up = w((f, d), "mlp.up_proj.weight", Kind.LINEAR)
+        self.down = w((d, f), "mlp.down_proj.weight", Kind.LINEAR)
+        self.post_mlp_norm = w((d,), "post_feedforward_layernorm.weight", Kind.NORM)
+        self.scalar = w((1,), "layer_scalar", Kind.NORM)
+        # A KV-shared layer has no k/v projections; a k_eq_v global layer has no v projection.
+        self.k = w((kv * hd, d), "self_attn.k_proj.weight", Kind.LINEAR, not shared)
+        self.k_norm = w((hd,), "self_attn.k_norm.weight", Kind.NORM, not shared)
+        self.v = w((kv * hd, d), "self_attn.v_proj.weight", Kind.LINEAR, not shared and not cfg.v_is_k(i))
+        pl = cfg.per_layer_size
+        self.pl_gate = w((pl, d), "per_layer_input_gate.weight", Kind.LINEAR, pl > 0)
+        self.pl_proj = w((d, pl), "per_layer_projection.weight", Kind.LINEAR, pl > 0)
+        self.pl_norm = w((d,), "post_per_layer_input_norm.weight", Kind.NORM, pl > 0)
 
-def _norm(x, w, cfg: Config):
-    return rms_norm(x, w, cfg.rms_norm_eps, style="gemma4")
-
-
-def _embed(tokens, params, cfg: Config, dtype):
-    """Row-local: the input embedding [T, hidden] and, with per-layer inputs, every layer's [T, L, P]."""
-    x = embed(tokens, params["embed"], dtype) * embedding_scale(cfg.hidden_size, dtype)
-    if not cfg.per_layer_size:
-        return x, None
-    shape = (tokens.shape[0], cfg.num_layers, cfg.per_layer_size)
-    projected = linear(x, params["pl_model_proj"]) * cfg.hidden_size**-0.5
-    projected = _norm(projected.reshape(shape), params["pl_proj_norm"], cfg)
-    identity = embed(tokens, params["pl_embed"], dtype) * embedding_scale(cfg.per_layer_size, dtype)
-    return x, (projected + identity.reshape(shape)) * math.sqrt(0.5)
-
-
-def _qkv(x, positions, w, cfg: Config, i: int):
-    """Row-local: queries [T, H, hd] and, unless layer i reads another layer's, keys and values [T, K, hd]."""
-    t, hd = x.shape[0], cfg.head_dims[i]
-    rope = cfg.rope_local if cfg.layer_types[i] == SLIDING else cfg.rope_global
-    h = _norm(x, w["input_norm"], cfg)
-    q = apply_rope(_norm(linear(h, w["q"]).reshape(t, cfg.num_heads, hd), w["q_norm"], cfg), positions, rope)
-    if "k" not in w:
-        return q, None, None
-    k = linear(h, w["k"]).reshape(t, cfg.kv_heads[i], hd)
-    v = k if cfg.v_is_k(i) else linear(h, w["v"]).reshape(t, cfg.kv_heads[i], hd)
-    k = apply_rope(_norm(k, w["k_norm"], cfg), positions, rope)
-    return q, k, _norm(v, None, cfg)
-
-
-def _after_attention(x, attn, per_layer=None, *, w, cfg: Config):
-    """Row-local: output projection, MLP, the per-layer input, residuals and the layer scalar."""
-    x = x + _norm(linear(attn.reshape(x.shape[0], -1), w["o"]), w["post_attn_norm"], cfg)
-    h = gated_mlp(_norm(x, w["pre_mlp_norm"], cfg), w["gate"], w["up"], w["down"], gelu_tanh)
-    x = x + _norm(h, w["post_mlp_norm"], cfg)
-    if per_layer is not None:
-        h = linear(gelu_tanh(linear(x, w["pl_gate"])) * per_layer, w["pl_proj"])
-        x = x + _norm(h, w["pl_norm"], cfg)
-    return x * w["scalar"].astype(x.dtype)
-
-
-def forward(
-    params: dict, batch: TreeBatch, cfg: Config, precision: Precision, row_tile: int | None = None
-) -> jax.Array:
-    """Final hidden states [T, hidden] for every token of the pass (logits come from `logits`)."""
-    dtype = precision.activation_dtype
-    x, per_layer = by_rows(partial(_embed, params=params, cfg=cfg, dtype=dtype), row_tile, batch.tokens)
-    kv = {}  # layer index → its (keys, values), for KV-shared layers (XLA frees what no later layer reads)
-    for i, w in enumerate(params["layers"]):
-        q, k, v = by_rows(partial(_qkv, w=w, cfg=cfg, i=i), row_tile, x, batch.positions)
+    def __call__(self, x, batch: TreeBatch, row_tile: int | None, per_layer, shared_kv):
+        """→ (the residual stream after this layer, the keys and values it attended with). shared_kv: for a
+        KV-shared layer, its source layer's (keys, values), else None; per_layer: its [T, P] input or None."""
+        q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
         if k is None:
-            k, v = kv[cfg.kv_source(i)]
-        kv[i] = k, v
-        window = cfg.sliding_window if cfg.layer_types[i] == SLIDING else None
+            k, v = shared_kv
+        window = self.cfg.sliding_window if self.sliding else None
         attn = tree_attention(q, k, v, batch, scale=1.0, window=window)
-        rows = (x, attn) if per_layer is None else (x, attn, per_layer[:, i])
-        x = by_rows(partial(_after_attention, w=w, cfg=cfg), row_tile, *rows)
-    return by_rows(lambda x: _norm(x, params["final_norm"], cfg), row_tile, x)
+        rows = (x, attn) if per_layer is None else (x, attn, per_layer)
+        return by_rows(self._after_attention, row_tile, *rows), (k, v)
+
+    def _qkv(self, x, positions):
+        """Row-local: queries [T, H, hd] and, unless this layer reads another layer's, keys and values."""
+        cfg, t, hd = self.cfg, x.shape[0], self.cfg.head_dims[self.i]
+        rope = cfg.rope_local if self.sliding else cfg.rope_global
+        h = _norm(x, self.input_norm, cfg)
+        q = _norm(linear(h, self.q.get_value()).reshape(t, cfg.num_heads, hd), self.q_norm, cfg)
+        q = apply_rope(q, positions, rope)
+        if self.k is None:
+            return q, None, None
+        k = linear(h, self.k.get_value()).reshape(t, cfg.kv_heads[self.i], hd)
+        v = k if self.v is None else linear(h, self.v.get_value()).reshape(t, cfg.kv_heads[self.i], hd)
+        k = apply_rope(_norm(k, self.k_norm, cfg), positions, rope)
+        return q, k, _norm(v, None, cfg)
+
+    def _after_attention(self, x, attn, per_layer=None):
+        """Row-local: output projection, MLP, the per-layer input, residuals and the layer scalar."""
+        cfg = self.cfg
+        x = x + _norm(linear(attn.reshape(x.shape[0], -1), self.o.get_value()), self.post_attn_norm, cfg)
+        mlp = (self.gate.get_value(), self.up.get_value(), self.down.get_value())
+        h = gated_mlp(_norm(x, self.pre_mlp_norm, cfg), *mlp, gelu_tanh)
+        x = x + _norm(h, self.post_mlp_norm, cfg)
+        if per_layer is not None:
+            h = linear(gelu_tanh(linear(x, self.pl_gate.get_value())) * per_layer, self.pl_proj.get_value())
+            x = x + _norm(h, self.pl_norm, cfg)
+        return x * self.scalar.get_value().astype(x.dtype)
 
 
-def _head(params: dict):
-    return params.get("lm_head", params["embed"])
+class Gemma4(Decoder):
+    Config = Config
+
+    def __init__(self, cfg: Config, precision: Precision):
+        layers = [Layer(cfg, i, precision) for i in range(cfg.num_layers)]
+        super().__init__(cfg, precision, layers, tied=cfg.tie_embeddings, softcap=cfg.final_logit_softcapping)
+        pl, width = cfg.per_layer_size, cfg.num_layers * cfg.per_layer_size
+
+        def w(shape, name, kind):  # the per-layer input weights, in E2B/E4B only
+            return weight(shape, "model." + name, kind, precision, present=pl > 0)
+
+        self.pl_embed = w((cfg.per_layer_vocab, width), "embed_tokens_per_layer.weight", Kind.EMBED)
+        self.pl_model_proj = w((width, cfg.hidden_size), "per_layer_model_projection.weight", Kind.LINEAR)
+        self.pl_proj_norm = w((pl,), "per_layer_projection_norm.weight", Kind.NORM)
+
+    def __call__(self, batch: TreeBatch, row_tile: int | None = None, capture=None) -> jax.Array:
+        """Final hidden states [T, hidden] for every token of the pass (logits come from `logits`).
+
+        capture: optional row indices [N] whose hidden states to keep (see `hidden_states`)."""
+        x, per_layer = by_rows(self._embed, row_tile, batch.tokens)
+        kv = {}  # layer index → the (keys, values) it attended with (XLA frees what no later layer reads)
+        for i, layer in enumerate(self.layers):
+            self._record(x, capture)
+            shared = kv.get(self.config.kv_source(i))
+            x, kv[i] = layer(x, batch, row_tile, None if per_layer is None else per_layer[:, i], shared)
+        return self._finish(x, row_tile, capture)
+
+    def _embed(self, tokens):
+        """Row-local: the input embedding [T, hidden] and, with per-layer inputs, every layer's [T, L, P]."""
+        cfg, dtype = self.config, self.precision.activation_dtype
+        x = embed(tokens, self.embed.get_value(), dtype) * embedding_scale(cfg.hidden_size, dtype)
+        if not cfg.per_layer_size:
+            return x, None
+        shape = (tokens.shape[0], cfg.num_layers, cfg.per_layer_size)
+        projected = linear(x, self.pl_model_proj.get_value()) * cfg.hidden_size**-0.5
+        projected = _norm(projected.reshape(shape), self.pl_proj_norm, cfg)
+        identity = embed(tokens, self.pl_embed.get_value(), dtype)
+        identity = identity * embedding_scale(cfg.per_layer_size, dtype)
+        return x, (projected + identity.reshape(shape)) * math.sqrt(0.5)
+
+    def _final_norm(self, x):
+        return _norm(x, self.final_norm, self.config)
 
 
-def logits(params: dict, hidden: jax.Array, cfg: Config) -> jax.Array:
-    """[N, hidden] → [N, vocab] f32 logits, softcapped, only for the rows asked for."""
-    return head_logits(hidden, _head(params), cfg.final_logit_softcapping)
-
-
-def token_logits(params: dict, hidden: jax.Array, tokens: jax.Array, cfg: Config) -> jax.Array:
-    """[N, hidden], [N] token ids → [N] f32: each row's logit for its one token."""
-    return head_token_logits(hidden, _head(params), tokens, cfg.final_logit_softcapping)
+def _norm(x, w: nnx.Param | None, cfg: Config):
+    return rms_norm(x, None if w is None else w.get_value(), cfg.rms_norm_eps, style="gemma4")

@@ -80,7 +80,8 @@ def tree_attention(q, k, v, batch: TreeBatch, *, scale: float, window: int | Non
     b = batch
     args = (q, k, v, b.positions, b.span_end, b.trunk_end, b.branch_start, b.tree_start_block)
     attend = kernel if jax.default_backend() == "gpu" else blockwise
-    return attend(*args, scale=scale, window=window, block=batch.block)
+    with jax.named_scope("attention"):  # names the ops in device profiles (here and below)
+        return attend(*args, scale=scale, window=window, block=batch.block)
 
 
 def by_rows(fn, tile: int | None, *arrays):
@@ -103,13 +104,14 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, *, style: str) 
     """RMSNorm computed in f32; where the weight is applied and cast back follows the reference, which is
     what keeps bf16 parity: "gemma3" scales by (1 + w) in f32, "gemma4" by w in f32 (or not at all where
     weight is None: Gemma 4's v-norm), "llama" (Llama/Qwen) casts back first and then scales by w."""
-    xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if style == "llama":
-        return weight.astype(x.dtype) * normed.astype(x.dtype)
-    if weight is not None:
-        normed = normed * ((1.0 if style == "gemma3" else 0.0) + weight.astype(jnp.float32))
-    return normed.astype(x.dtype)
+    with jax.named_scope("norm"):
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        if style == "llama":
+            return weight.astype(x.dtype) * normed.astype(x.dtype)
+        if weight is not None:
+            normed = normed * ((1.0 if style == "gemma3" else 0.0) + weight.astype(jnp.float32))
+        return normed.astype(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
 
 
 def gated_mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, activation) -> jax.Array:
-    return linear(activation(linear(x, gate)) * linear(x, up), down)
+    with jax.named_scope("mlp"):
+        return linear(activation(linear(x, gate)) * linear(x, up), down)
 
 
 def gelu_tanh(x):
@@ -162,7 +165,8 @@ def gelu_tanh(x):
 
 def head_logits(hidden: jax.Array, head: Weight, softcap: float | None) -> jax.Array:
     """[N, hidden] → [N, vocab] f32 logits through the LM head [vocab, hidden]."""
-    return _softcap(linear(hidden, head, jnp.float32), softcap)
+    with jax.named_scope("lm_head"):
+        return _softcap(linear(hidden, head, jnp.float32), softcap)
 
 
 def head_token_logits(hidden: jax.Array, head: Weight, tokens: jax.Array, softcap: float | None) -> jax.Array:

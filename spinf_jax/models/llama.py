@@ -1,0 +1,131 @@
+"""The Llama-architecture decoders as NNX modules: Llama itself (SmolLM2 among others), Qwen2 and Qwen3, which
+differ only in configuration.
+
+Llama: RMSNorm scales by w after casting back; SwiGLU MLP; GQA; no biases. Qwen2: Llama plus biases on q/k/v.
+Qwen3: Llama plus a per-head RMSNorm on q and k before rope.
+"""
+
+from dataclasses import dataclass
+
+import jax
+from flax import nnx
+
+from spinf_jax.models.decoder import Decoder
+from spinf_jax.models.layers import Rope, TreeBatch, apply_rope, by_rows, gated_mlp, rms_norm, tree_attention
+from spinf_jax.models.params import Kind, weight
+from spinf_jax.quant import Precision, embed, linear
+
+MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: Rope
+    qk_norm: bool  # Qwen3
+    qkv_bias: bool  # Qwen2 (and Llama/Qwen3 checkpoints with attention_bias)
+    tie_embeddings: bool
+    rms_norm_eps: float = 1e-6
+
+    @staticmethod
+    def from_hf(c: dict) -> "Config":
+        model_type = c["model_type"]
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not one of {MODEL_TYPES}")
+        if c.get("use_sliding_window") or c.get("mlp_bias"):
+            raise ValueError("sliding-window Qwen layers and MLP biases are not supported")
+        rope = c.get("rope_parameters") or {
+            **(c.get("rope_scaling") or {}),
+            "rope_theta": c.get("rope_theta"),
+        }
+        return Config(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=c["num_attention_heads"],
+            num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            rope=Rope.from_hf({k: v for k, v in rope.items() if v is not None}, 1e4),
+            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias")),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        )
+
+
+class Layer(nnx.Module):
+    def __init__(self, cfg: Config, i: int, precision: Precision):
+        d, f, hd, p = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, f"model.layers.{i}."
+        q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+        def w(shape, name, kind, present=True):
+            return weight(shape, p + name, kind, precision, present)
+
+        self.cfg = cfg
+        self.input_norm = w((d,), "input_layernorm.weight", Kind.NORM)
+        self.q = w((q_out, d), "self_attn.q_proj.weight", Kind.LINEAR)
+        self.k = w((kv_out, d), "self_attn.k_proj.weight", Kind.LINEAR)
+        self.v = w((kv_out, d), "self_attn.v_proj.weight", Kind.LINEAR)
+        self.o = w((d, q_out), "self_attn.o_proj.weight", Kind.LINEAR)
+        self.post_attn_norm = w((d,), "post_attention_layernorm.weight", Kind.NORM)
+        self.gate = w((f, d), "mlp.gate_proj.weight", Kind.LINEAR)
+        self.up = w((f, d), "mlp.up_proj.weight", Kind.LINEAR)
+        self.down = w((d, f), "mlp.down_proj.weight", Kind.LINEAR)
+        self.q_norm = w((hd,), "self_attn.q_norm.weight", Kind.NORM, cfg.qk_norm)
+        self.k_norm = w((hd,), "self_attn.k_norm.weight", Kind.NORM, cfg.qk_norm)
+        self.q_bias = w((q_out,), "self_attn.q_proj.bias", Kind.BIAS, cfg.qkv_bias)
+        self.k_bias = w((kv_out,), "self_attn.k_proj.bias", Kind.BIAS, cfg.qkv_bias)
+        self.v_bias = w((kv_out,), "self_attn.v_proj.bias", Kind.BIAS, cfg.qkv_bias)
+
+    def __call__(self, x: jax.Array, batch: TreeBatch, row_tile: int | None) -> jax.Array:
+        q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
+        attn = tree_attention(q, k, v, batch, scale=self.cfg.head_dim**-0.5)
+        return by_rows(self._after_attention, row_tile, x, attn)
+
+    def _project(self, x, w: nnx.Param, bias: nnx.Param | None, heads: int):
+        y = linear(x, w.get_value())
+        if bias is not None:
+            y = y + bias.get_value().astype(y.dtype)
+        return y.reshape(x.shape[0], heads, self.cfg.head_dim)
+
+    def _qkv(self, x, positions):
+        """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden]."""
+        cfg = self.cfg
+        h = _norm(x, self.input_norm, cfg)
+        q = self._project(h, self.q, self.q_bias, cfg.num_heads)
+        k = self._project(h, self.k, self.k_bias, cfg.num_kv_heads)
+        v = self._project(h, self.v, self.v_bias, cfg.num_kv_heads)
+        if cfg.qk_norm:
+            q, k = _norm(q, self.q_norm, cfg), _norm(k, self.k_norm, cfg)
+        return apply_rope(q, positions, cfg.rope), apply_rope(k, positions, cfg.rope), v
+
+    def _after_attention(self, x, attn):
+        """Row-local: output projection, MLP and residuals."""
+        x = x + linear(attn.reshape(x.shape[0], -1), self.o.get_value())
+        mlp = (self.gate.get_value(), self.up.get_value(), self.down.get_value())
+        return x + gated_mlp(_norm(x, self.post_attn_norm, self.cfg), *mlp, jax.nn.silu)
+
+
+class Llama(Decoder):
+    Config = Config
+
+    def __init__(self, cfg: Config, precision: Precision):
+        layers = [Layer(cfg, i, precision) for i in range(cfg.num_layers)]
+        super().__init__(cfg, precision, layers, tied=cfg.tie_embeddings, softcap=None)
+
+    def _embed(self, tokens):
+        return embed(tokens, self.embed.get_value(), self.precision.activation_dtype)
+
+    def _final_norm(self, x):
+        return _norm(x, self.final_norm, self.config)
+
+
+def _norm(x, w: nnx.Param, cfg: Config):
+    return rms_norm(x, w.get_value(), cfg.rms_norm_eps, style="llama")

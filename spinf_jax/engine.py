@@ -22,6 +22,7 @@ from flax import nnx
 
 from spinf_jax.layout import QuestionKey, Tree, build_tree
 from spinf_jax.loader import DEFAULT_MODEL, Model, load_model
+from spinf_jax.models.decoder import split
 from spinf_jax.models.layers import TreeBatch, by_rows
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
 from spinf_jax.scoring import Scorer
@@ -37,10 +38,10 @@ def use_compilation_cache(path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _score_pass(state, batch: TreeBatch, read_rows, target_read, target_token, *, graphdef, row_tile):
+def _score_pass(weights, batch: TreeBatch, read_rows, target_read, target_token, *, graphdef, row_tile):
     """One pass: every target's log-prob [max_targets], and the most likely next token at each read row
     [max_reads] (from the same full-vocabulary logits as the log-softmax normalisers)."""
-    decoder = nnx.merge(graphdef, state)
+    decoder = nnx.merge(graphdef, weights)
     hidden = decoder(batch, row_tile)[read_rows]  # [R, D]
     chunks = hidden.reshape(-1, READ_CHUNK, hidden.shape[-1])
 
@@ -107,7 +108,7 @@ class Engine:
         self.on_pass = None  # optional callback(bucket size, seconds) after each pass, for metrics
         # Split once: the compiled step is a plain jax.jit over the weights' state, the module structure is
         # static. (Weights changed on model.decoder after this are not seen by this engine.)
-        graphdef, self._state = nnx.split(model.decoder)
+        graphdef, self._weights = split(model.decoder)
         self._run = jax.jit(partial(_score_pass, graphdef=graphdef, row_tile=model.row_tile))
 
     @classmethod
@@ -125,7 +126,7 @@ class Engine:
     def _pass_args(self, p: Pass) -> tuple:
         arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)
         batch = TreeBatch(*map(jnp.asarray, arrays))
-        return self._state, batch, p.read_rows, p.target_read, p.target_token
+        return self._weights, batch, p.read_rows, p.target_read, p.target_token
 
     def _run_pass(self, p: Pass) -> tuple[np.ndarray, np.ndarray]:
         return tuple(map(np.asarray, self._run(*self._pass_args(p))))

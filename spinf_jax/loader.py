@@ -16,7 +16,7 @@ from flax import nnx
 
 from spinf_jax.checkpoint import GGUFFile, SafetensorsFolder
 from spinf_jax.models import abstract_decoder
-from spinf_jax.models.decoder import Decoder, hidden_states
+from spinf_jax.models.decoder import Decoder, hidden_states, split
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.models.params import params, stored_as
 from spinf_jax.quant import Precision, quantize
@@ -162,13 +162,14 @@ class Model:
         return self.decoder.precision
 
     def _apply(self, name: str, fn, *args):
-        """fn(decoder, *args), compiled once as a plain jax.jit over the decoder's split state."""
+        """fn(decoder, *args), compiled once as a plain jax.jit over the decoder's weights (split now, so a
+        weight changed in place is seen)."""
         jitted = self._jitted.get(name)
         if jitted is None:
             jitted = self._jitted[name] = jax.jit(
-                lambda graphdef, state, *a: fn(nnx.merge(graphdef, state), *a), static_argnums=0
+                lambda graphdef, weights, *a: fn(nnx.merge(graphdef, weights), *a), static_argnums=0
             )
-        return jitted(*nnx.split(self.decoder), *args)
+        return jitted(*split(self.decoder), *args)
 
     def hidden(self, batch: TreeBatch) -> jax.Array:
         """[T, hidden] final hidden states of a packed pass."""

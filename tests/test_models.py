@@ -26,7 +26,8 @@ def test_params_are_exactly_the_checkpoint_tensors(family):
     config = json.loads((TINY / family / "config.json").read_text())
     decoder = abstract_decoder(config, "bf16")
     with safe_open(TINY / family / "model.safetensors", "numpy") as f:
-        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        names = f.keys()
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
     declared = {p.source: tuple(p.get_value().shape) for p in params(decoder)}
     assert declared == shapes
     assert all(isinstance(p.kind, Kind) for p in params(decoder))

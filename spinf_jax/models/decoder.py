@@ -56,6 +56,15 @@ class Decoder(nnx.Module):
             self.sow(nnx.Intermediate, "hidden", x[capture])
 
 
+def split(decoder: Decoder) -> tuple[nnx.GraphDef, dict]:
+    """The decoder as (its static structure, its weights as a plain nested dict of arrays), for a plain
+    jax.jit over the weights with `nnx.merge(graphdef, weights)` inside. A dict rather than the nnx.State:
+    jit flattens its arguments at every call, and a State of Variables flattens in Python (1.8 ms a call for
+    Gemma 3 12B's 962 arrays on the development machine) where a dict flattens in C++ (0.09 ms)."""
+    graphdef, state = nnx.split(decoder)
+    return graphdef, nnx.to_pure_dict(state)
+
+
 def hidden_states(decoder: Decoder, batch: TreeBatch, rows: jax.Array, row_tile: int | None) -> jax.Array:
     """[layers + 1, N, hidden]: the residual stream at `rows` entering each layer, then the final normed
     output (the same entries as transformers' `output_hidden_states`)."""

@@ -1,9 +1,11 @@
-"""A scoring request body (SPEC section 1) → token ids, or a ScoringError naming the API's code and the field.
+"""A decoded scoring request (SPEC section 1, spinf_jax.api.ScoreRequest) → token ids, or a ScoringError
+naming the API's code and the field.
 
-Three steps: check the body's structure and expand every query into its filled templates (no tokenizer
-involved), tokenise every distinct string of the request in one batch, then check what needs tokens (lengths,
-option boundaries) while building the immutable CompiledRequest the engine reads. Knows nothing of the model
-beyond its tokenizer.
+Decoding (spinf_jax.decoding) has checked the JSON types; this checks the meaning, in three steps: the rules
+that need no tokens (one slot per template, placeholders and their values, options, ids, limits) while every
+query is expanded into its filled templates, then one tokenizer batch for every distinct string of the
+request, then what needs tokens (lengths, option boundaries) while building the immutable CompiledRequest the
+engine reads. Knows nothing of the model beyond its tokenizer.
 """
 
 import itertools
@@ -12,6 +14,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
+from spinf_jax import api
 from spinf_jax.errors import ScoringError
 
 
@@ -73,64 +76,31 @@ class CompiledRequest:
     pack_ids: tuple[str, ...]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# JSON shape checks. Optional fields treat null as absent, as OpenAI-style clients send it for "not given".
-
-
 def _invalid(param: str | None, message: str) -> ScoringError:
     return ScoringError("invalid_request", message, param)
-
-
-def _check(value, kind: type, param: str | None, what: str):
-    """`value` if it has the JSON type `kind`, else invalid_request naming the field."""
-    if not isinstance(value, kind):
-        raise _invalid(param, f"{param or 'the request body'} must be {what}")
-    if kind is str:
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800") would crash the tokenizer and the reply
-            raise _invalid(param, f"{param} is not valid Unicode text") from None
-    return value
-
-
-def _optional(obj: dict, key: str, kind: type, param: str, what: str, default=None):
-    value = obj.get(key)
-    return default if value is None else _check(value, kind, param, what)
-
-
-def _nonempty_list(value, param: str, what: str) -> list:
-    if not _check(value, list, param, f"a non-empty list of {what}"):
-        raise _invalid(param, f"{param} must be a non-empty list of {what}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Content
 
 
-def render_content(messages, param: str) -> str:
+def render_content(messages: list[api.Message], param: str) -> str:
     """The content's text: every message's text, joined with "\\n". Roles are ignored; no chat template."""
-    messages = _nonempty_list(messages, param, "messages")
     return "\n".join(_message_text(m, f"{param}[{i}]") for i, m in enumerate(messages))
 
 
-def _message_text(message, param: str) -> str:
-    content = _check(message, dict, param, 'an object with "content"').get("content")
-    param += ".content"
-    if isinstance(content, str):
-        return _check(content, str, param, "a string")
-    parts = _check(content, list, param, "a string or a list of content parts")
-    return "\n".join(_part_text(part, f"{param}[{k}]") for k, part in enumerate(parts))
+def _message_text(message: api.Message, param: str) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(_part_text(part, f"{param}.content[{k}]") for k, part in enumerate(message.content))
 
 
-def _part_text(part, param: str) -> str:
-    kind = _check(part, dict, param, 'an object with "type"').get("type")
-    if kind == "text":
-        return _check(part.get("text"), str, param + ".text", "a string")
-    _check(kind, str, param + ".type", 'a string such as "text"')
+def _part_text(part: api.ContentPart, param: str) -> str:
+    if isinstance(part, api.TextPart):
+        return part.text
     raise ScoringError(
         "unsupported_content",
-        f"content parts of type {kind!r} are not supported: this model reads text only",
+        f"content parts of type {part.__struct_config__.tag!r} are not supported: this model reads text only",
         param,
     )
 
@@ -199,10 +169,10 @@ class _Spec:
     options: list[str]
 
 
-def _parse_queries(raw, param: str, limits: Limits, taken: set[str]) -> list[_Spec]:
+def _parse_queries(queries: list[api.Query], param: str, limits: Limits, taken: set[str]) -> list[_Spec]:
     """A list of queries; their ids must be new to `taken` and to each other (`taken` is updated)."""
     specs = []
-    for j, query in enumerate(_check(raw, list, param, "a list of queries")):
+    for j, query in enumerate(queries):
         spec = _parse_query(query, f"{param}[{j}]", limits)
         if spec.id in taken:
             raise _invalid(f"{param}[{j}].id", f"query id {spec.id!r} is used twice")
@@ -211,25 +181,20 @@ def _parse_queries(raw, param: str, limits: Limits, taken: set[str]) -> list[_Sp
     return specs
 
 
-def _parse_query(query, param: str, limits: Limits) -> _Spec:
-    query = _check(query, dict, param, 'an object with "id" and "template"')
-    query_id = _check(query.get("id"), str, param + ".id", "a non-empty string")
-    if not query_id:
-        raise _invalid(param + ".id", f"{param}.id must be a non-empty string")
-    template = _check(query.get("template"), str, param + ".template", "a string")
-    parts, slot = parse_template(template, param + ".template", limits.max_placeholders)
+def _parse_query(query: api.Query, param: str, limits: Limits) -> _Spec:
+    parts, slot = parse_template(query.template, param + ".template", limits.max_placeholders)
     names = list(dict.fromkeys(p[0] for p in parts if isinstance(p, tuple)))
     combinations = _combinations(query, names, param, limits)
-    options = _options(query.get("options"), slot, param + ".options", limits)
+    options = _options(query.options, slot, param + ".options", limits)
     fills = [_fill(parts, values) for values in combinations]
-    return _Spec(query_id, slot, param, combinations, fills, options)
+    return _Spec(query.id, slot, param, combinations, fills, options)
 
 
-def _combinations(query: dict, names: list[str], param: str, limits: Limits) -> list[dict[str, str]]:
+def _combinations(query: api.Query, names: list[str], param: str, limits: Limits) -> list[dict[str, str]]:
     """The query's placeholder values, one dict per combination in order, keys in the template's order."""
-    given, values = query.get("combinations"), query.get("values")
+    given, values = query.combinations, query.values
     if values is not None:
-        for name in _check(values, dict, param + ".values", "an object {name: [values]}"):
+        for name in values:
             if name not in names:
                 raise _unknown(f"{param}.values.{name}", f"the template has no placeholder {{{name}}}")
         if given != "all":
@@ -240,37 +205,32 @@ def _combinations(query: dict, names: list[str], param: str, limits: Limits) -> 
         return [{}]
     if given == "all":
         return _grid(values, names, param, limits)
-    given = _nonempty_list(given, param + ".combinations", 'combinations (or "all")')
     if len(given) > limits.max_combinations:
         raise _too_many_combinations(param, len(given), limits)
-    return [_combination(c, names, f"{param}.combinations[{j}]") for j, c in enumerate(given)]
+    return [_named_values(c, names, f"{param}.combinations[{j}]") for j, c in enumerate(given)]
 
 
-def _combination(combination, names: list[str], param: str) -> dict[str, str]:
-    for name in _check(combination, dict, param, "an object {name: value}"):
+def _named_values(combination: dict[str, str], names: list[str], param: str) -> dict[str, str]:
+    """One combination's values, exactly the template's placeholders, in the template's order."""
+    for name in combination:
         if name not in names:
             raise _unknown(f"{param}.{name}", f"the template has no placeholder {{{name}}}")
     for name in names:
         if name not in combination:
             raise _unknown(param, f"no value for placeholder {{{name}}}")
-    return {name: _check(combination[name], str, f"{param}.{name}", "a string") for name in names}
+    return {name: combination[name] for name in names}
 
 
-def _grid(values, names: list[str], param: str, limits: Limits) -> list[dict[str, str]]:
+def _grid(
+    values: dict[str, list[str]] | None, names: list[str], param: str, limits: Limits
+) -> list[dict[str, str]]:
     """combinations "all": itertools.product over the placeholders in the template's order."""
     if values is None:
         raise _invalid(param + ".values", 'combinations "all" needs values: {name: [values]}')
-    lists = []
     for name in names:
         if name not in values:
             raise _unknown(param + ".values", f"no values for placeholder {{{name}}}")
-        p = f"{param}.values.{name}"
-        lists.append(
-            [
-                _check(v, str, f"{p}[{k}]", "a string")
-                for k, v in enumerate(_nonempty_list(values[name], p, "strings"))
-            ]
-        )
+    lists = [values[name] for name in names]
     count = math.prod(map(len, lists))
     if count > limits.max_combinations:
         raise _too_many_combinations(param, count, limits)
@@ -289,21 +249,19 @@ def _too_many_combinations(param: str, count: int, limits: Limits) -> ScoringErr
     )
 
 
-def _options(options, slot: Slot, param: str, limits: Limits) -> list[str]:
+def _options(options: list[str] | None, slot: Slot, param: str, limits: Limits) -> list[str]:
     if slot is not Slot.SCORE:
         if options is not None:
             raise _invalid(param, f"options go with a {{?}} slot; a {slot.value} slot extracts its answer")
         return []
     if options is None:
         raise _invalid(param, "a {?} template needs options")
-    options = _nonempty_list(options, param, "strings")
     if len(options) > limits.max_options:
         raise ScoringError(
             "too_many_options", f"{len(options)} options; at most {limits.max_options} per query", param
         )
     seen: dict[str, str] = {}
     for j, option in enumerate(options):
-        _check(option, str, f"{param}[{j}]", "a string")
         if not option:
             raise ScoringError("invalid_option", "an option must not be empty", f"{param}[{j}]")
         if option.lower() in seen:
@@ -328,36 +286,38 @@ class _Input:
     specs: list[_Spec]
 
 
-def _parse_inputs(body: dict, shared: list[_Spec], has_packs: bool, limits: Limits) -> list[_Input]:
-    if body.get("messages") is None and body.get("inputs") is None:
+def _parse_inputs(
+    request: api.ScoreRequest, shared: list[_Spec], has_packs: bool, limits: Limits
+) -> list[_Input]:
+    if request.messages is None and request.inputs is None:
         raise _invalid("messages", "give messages (one content) or inputs (several contents)")
-    if body.get("messages") is not None and body.get("inputs") is not None:
+    if request.messages is not None and request.inputs is not None:
         raise _invalid("inputs", "give messages (one content) or inputs (several contents), not both")
-    if body.get("messages") is not None:
+    if request.messages is not None:
         if not shared and not has_packs:
             raise _invalid("scoring.queries", "scoring.queries must not be empty")
-        inputs = [_Input("0", render_content(body["messages"], "messages"), "messages", shared)]
+        inputs = [_Input("0", render_content(request.messages, "messages"), "messages", shared)]
         _check_questions(inputs[0], "scoring.queries", limits)
         return inputs
-    raw = _nonempty_list(body["inputs"], "inputs", "inputs")
-    if len(raw) > limits.max_inputs:
-        raise ScoringError("too_many_inputs", f"{len(raw)} inputs; at most {limits.max_inputs}", "inputs")
+    if len(request.inputs) > limits.max_inputs:
+        raise ScoringError(
+            "too_many_inputs", f"{len(request.inputs)} inputs; at most {limits.max_inputs}", "inputs"
+        )
     by_id = {spec.id: spec for spec in shared}
     inputs, input_ids = [], set()
-    for i, item in enumerate(raw):
+    for i, item in enumerate(request.inputs):
         param = f"inputs[{i}]"
-        item = _check(item, dict, param, 'an object with "messages"')
-        input_id = _optional(item, "id", str, param + ".id", "a non-empty string", default=str(i))
-        if not input_id or input_id in input_ids:
-            raise _invalid(param + ".id", f"input ids must be unique non-empty strings; {input_id!r} is not")
+        input_id = str(i) if item.id is None else item.id
+        if input_id in input_ids:
+            raise _invalid(param + ".id", f"input ids must be unique; {input_id!r} is used twice")
         input_ids.add(input_id)
-        text = render_content(item.get("messages"), param + ".messages")
-        chosen = shared
-        if item.get("query_ids") is not None:
-            chosen = _choose(item["query_ids"], by_id, param + ".query_ids")
-        own = []
-        if item.get("queries") is not None:
-            own = _parse_queries(item["queries"], param + ".queries", limits, set(by_id))
+        text = render_content(item.messages, param + ".messages")
+        chosen = shared if item.query_ids is None else _choose(item.query_ids, by_id, param + ".query_ids")
+        own = (
+            []
+            if item.queries is None
+            else _parse_queries(item.queries, param + ".queries", limits, set(by_id))
+        )
         if not chosen and not own and not has_packs:
             raise _invalid(param, f"{param} has no queries: give scoring.queries or the input's own queries")
         inputs.append(_Input(input_id, text, param + ".messages", chosen + own))
@@ -365,10 +325,9 @@ def _parse_inputs(body: dict, shared: list[_Spec], has_packs: bool, limits: Limi
     return inputs
 
 
-def _choose(query_ids, by_id: dict[str, _Spec], param: str) -> list[_Spec]:
+def _choose(query_ids: list[str], by_id: dict[str, _Spec], param: str) -> list[_Spec]:
     chosen = {}
-    for k, query_id in enumerate(_check(query_ids, list, param, "a list of query ids")):
-        _check(query_id, str, f"{param}[{k}]", "a string")
+    for k, query_id in enumerate(query_ids):
         if query_id not in by_id:
             raise ScoringError("unknown_query", f"scoring.queries has no query {query_id!r}", f"{param}[{k}]")
         if query_id in chosen:
@@ -388,14 +347,12 @@ def _check_questions(item: _Input, param: str, limits: Limits) -> None:
         )
 
 
-def _pack_ids(packs) -> tuple[str, ...]:
+def _pack_ids(packs: list[api.PackRef]) -> tuple[str, ...]:
     ids: list[str] = []
-    for i, pack in enumerate(_check(packs, list, "packs", 'a list of {"id": ...} objects')):
-        pack = _check(pack, dict, f"packs[{i}]", 'an object {"id": ...}')
-        pack_id = _check(pack.get("id"), str, f"packs[{i}].id", "a string")
-        if pack_id in ids:
-            raise _invalid(f"packs[{i}].id", f"pack {pack_id!r} is listed twice")
-        ids.append(pack_id)
+    for i, pack in enumerate(packs):
+        if pack.id in ids:
+            raise _invalid(f"packs[{i}].id", f"pack {pack.id!r} is listed twice")
+        ids.append(pack.id)
     return tuple(ids)
 
 
@@ -491,22 +448,15 @@ def _tokenize(tokenizer, inputs: list[_Input], specs: list[_Spec]) -> dict[str, 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def compile_request(body: dict, tokenizer, limits: Limits = Limits()) -> CompiledRequest:
-    """Check a decoded scoring request against SPEC section 1 and tokenise it; raises ScoringError."""
-    body = _check(body, dict, None, "a JSON object")
-    model = _optional(body, "model", str, "model", "a string")
-    pack_ids = _pack_ids(body["packs"]) if body.get("packs") is not None else ()
-    scoring = body.get("scoring")
-    if scoring is None and not pack_ids:
+def compile_request(request: api.ScoreRequest, tokenizer, limits: Limits = Limits()) -> CompiledRequest:
+    """Check a decoded scoring request (spinf_jax.decoding) against SPEC section 1 and tokenise it; raises
+    ScoringError."""
+    pack_ids = _pack_ids(request.packs or [])
+    if request.scoring is None and not pack_ids:
         raise _invalid("scoring", 'a scoring block is required: {"queries": [...]}')
-    scoring = _optional(body, "scoring", dict, "scoring", "an object", default={})
-    empty_floor = _optional(
-        scoring, "empty_floor", bool, "scoring.empty_floor", "true or false", default=True
-    )
-    shared = _parse_queries(
-        _optional(scoring, "queries", list, "scoring.queries", "a list", []), "scoring.queries", limits, set()
-    )
-    inputs = _parse_inputs(body, shared, bool(pack_ids), limits)
+    scoring = request.scoring or api.Scoring()
+    shared = _parse_queries(scoring.queries or [], "scoring.queries", limits, set())
+    inputs = _parse_inputs(request, shared, bool(pack_ids), limits)
 
     # A scoring query that no input asks for is checked for structure but never tokenised.
     used = list({id(spec): spec for item in inputs for spec in item.specs}.values())
@@ -535,4 +485,4 @@ def compile_request(body: dict, tokenizer, limits: Limits = Limits()) -> Compile
         Content(item.input_id, ids[item.text], tuple(queries[id(spec)] for spec in item.specs))
         for item in inputs
     )
-    return CompiledRequest(model, contents, empty_floor, pack_ids)
+    return CompiledRequest(request.model, contents, scoring.empty_floor is not False, pack_ids)

@@ -2,11 +2,11 @@
 (SPEC section 2). Plain Python and numpy around an Engine, which only runs passes over token trees.
 
     scorer = Scorer(engine)
-    plan = scorer.plan(body)  # compile, lay out the contents' trees and the floors not cached
-    response = scorer.finish(plan, engine.score_trees(plan.trees))
+    plan = scorer.plan(request)  # compile, lay out the contents' trees and the floors not cached
+    response = scorer.finish(plan, engine.score_trees(plan.trees))  # an api.ScoreResponse
 
 The server makes plans on request threads and lets its engine thread score the trees of several plans in
-shared passes; `Scorer.score` does the three steps in a row.
+shared passes; `Scorer.score` does the three steps in a row for the library, from a dict to a dict.
 """
 
 import math
@@ -15,9 +15,12 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
+from spinf_jax import api
 from spinf_jax.compiler import CompiledRequest, Limits, Question, compile_request
+from spinf_jax.decoding import convert
 from spinf_jax.errors import ScoringError
 from spinf_jax.layout import QuestionKey, Tree, build_tree
 from spinf_jax.packer import content_trees
@@ -46,13 +49,16 @@ class Scorer:
 
     def score(self, body: dict) -> dict:
         plan = self.plan(body)
-        return self.finish(plan, self.engine.score_trees(plan.trees))
+        return msgspec.to_builtins(self.finish(plan, self.engine.score_trees(plan.trees)))
 
-    def plan(self, body: dict) -> Plan:
-        """Compile a request and lay out every tree it needs: its contents', then floors not yet cached."""
+    def plan(self, body: api.ScoreRequest | dict) -> Plan:
+        """Compile a request (decoded, or as Python objects) and lay out every tree it needs: its contents',
+        then floors not yet cached."""
         tokenizer = self.engine.model.tokenizer
         if tokenizer is None:
             raise ValueError("scoring text needs a model with a tokenizer (score_trees works on token ids)")
+        if not isinstance(body, api.ScoreRequest):
+            body = convert(body, api.ScoreRequest)
         request = compile_request(body, tokenizer, self.limits)
         if request.pack_ids:
             raise ScoringError(
@@ -77,7 +83,7 @@ class Scorer:
         trees += budget.spend(build_tree(prefix, [], [k]) for k in missing)
         return Plan(request, trees, owners, missing, floors)
 
-    def finish(self, plan: Plan, scored: list["Scored"]) -> dict:
+    def finish(self, plan: Plan, scored: list["Scored"]) -> api.ScoreResponse:
         """The response of a plan whose trees were scored (in the plan's order)."""
         n = len(plan.owners)
         floors = dict(plan.floors)
@@ -85,17 +91,19 @@ class Scorer:
             floors[key] = result.option_logprobs(0)
             self.engine.remember_floor(key, floors[key])
         by_content = plan.trees[:n]
-        usage = {
-            "content_tokens": sum(t.trunk_tokens for t in by_content),
-            "query_tokens": sum(len(t) - t.trunk_tokens for t in by_content),
-            "floor_tokens": sum(len(t) for t in plan.trees[n:]),
-        }
+        usage = api.TokenDetails(
+            content_tokens=sum(t.trunk_tokens for t in by_content),
+            query_tokens=sum(len(t) - t.trunk_tokens for t in by_content),
+            floor_tokens=sum(len(t) for t in plan.trees[n:]),
+        )
         per_content: list[list[np.ndarray]] = [[] for _ in plan.request.contents]
         for c, result in zip(plan.owners, scored[:n], strict=True):
             per_content[c] += [result.option_logprobs(i) for i in range(len(result.tree.options))]
         return self._respond(plan.request, per_content, floors, usage)
 
-    def _respond(self, request: CompiledRequest, per_content, floors, usage) -> dict:
+    def _respond(
+        self, request: CompiledRequest, per_content, floors, usage: api.TokenDetails
+    ) -> api.ScoreResponse:
         results, warnings = [], []
         for content, logprobs in zip(request.contents, per_content, strict=True):
             queries, i = [], 0
@@ -103,33 +111,33 @@ class Scorer:
                 combinations = []
                 for q in query.questions:
                     floor = floors.get(question_key(q)) if request.empty_floor else None
-                    combo = _combination(q, logprobs[i], floor)
+                    combo = _scored_combination(q, logprobs[i], floor)
                     i += 1
                     combinations.append(combo)
-                    mass = 1.0 - combo["residual"]
+                    mass = 1.0 - combo.residual
                     if mass < LOW_OPTION_MASS:
                         warnings.append(
-                            {
-                                "code": "low_option_mass",
-                                "input_id": content.input_id,
-                                "query_id": query.id,
-                                "message": f"the options hold {mass:.1%} of the probability at the slot"
+                            api.ScoringWarning(
+                                code="low_option_mass",
+                                input_id=content.input_id,
+                                query_id=query.id,
+                                message=f"the options hold {mass:.1%} of the probability at the slot"
                                 + (f" for values {q.values}" if q.values else "")
                                 + "; check the template and the options' leading spaces",
-                            }
+                            )
                         )
-                queries.append({"id": query.id, "combinations": combinations})
-            results.append({"input_id": content.input_id, "queries": queries})
-        return {
-            "id": f"score-{uuid.uuid4().hex}",
-            "object": "score",
-            "created": int(time.time()),
-            "model": self.engine.model.name,
-            "system_fingerprint": self.engine.fingerprint,
-            "results": results,
-            "warnings": warnings,
-            "usage": {"prompt_tokens": sum(usage.values()), "prompt_tokens_details": usage},
-        }
+                queries.append(api.QueryResult(id=query.id, combinations=combinations))
+            results.append(api.InputResult(input_id=content.input_id, queries=queries))
+        tokens = usage.content_tokens + usage.query_tokens + usage.floor_tokens
+        return api.ScoreResponse(
+            id=f"score-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.engine.model.name,
+            system_fingerprint=self.engine.fingerprint,
+            results=results,
+            warnings=warnings,
+            usage=api.Usage(prompt_tokens=tokens, prompt_tokens_details=usage),
+        )
 
 
 class _TokenBudget:
@@ -165,16 +173,15 @@ def _distribution(logprobs: np.ndarray) -> tuple[np.ndarray, float]:
     return weights / np.sum(weights), max(0.0, 1.0 - mass)
 
 
-def _combination(q: Question, logprobs: np.ndarray, floor: np.ndarray | None) -> dict:
+def _scored_combination(q: Question, logprobs: np.ndarray, floor: np.ndarray | None) -> api.CombinationResult:
     p, residual = _distribution(logprobs)
     options = [
-        {"text": text, "logprob": float(lp), "p": float(pi)}
+        api.OptionScore(text=text, logprob=float(lp), p=float(pi))
         for text, lp, pi in zip(q.options, logprobs, p, strict=True)
     ]
-    combo = {"values": dict(q.values), "options": options, "residual": residual}
+    combo = api.CombinationResult(values=dict(q.values), options=options, residual=residual)
     if floor is not None:
-        floor_p, floor_residual = _distribution(floor)
+        floor_p, combo.floor_residual = _distribution(floor)
         for option, fp in zip(options, floor_p, strict=True):
-            option["floor_p"] = float(fp)
-        combo["floor_residual"] = floor_residual
+            option.floor_p = float(fp)
     return combo

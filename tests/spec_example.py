@@ -1,4 +1,4 @@
-"""The example request of SPEC section 1, shared by the compiler, engine and server tests."""
+"""The examples of SPEC sections 1 and 2, shared by the compiler, engine, server and API tests."""
 
 import copy
 
@@ -31,6 +31,58 @@ SPEC_REQUEST = {
         "empty_floor": True,
     },
     "packs": [{"id": "spinf/moderation"}],
+}
+
+
+# The example response of SPEC section 2.
+SPEC_RESPONSE = {
+    "id": "score-…",
+    "object": "score",
+    "created": 1764400000,
+    "model": "spinf/gemma-4-12b-fp8",
+    "system_fingerprint": "fp_…",
+    "results": [
+        {
+            "input_id": "0",
+            "queries": [
+                {
+                    "id": "refund",
+                    "combinations": [
+                        {
+                            "values": {},
+                            "options": [
+                                {"text": " yes", "logprob": -0.90, "p": 0.72, "floor_p": 0.60},
+                                {"text": " no", "logprob": -1.86, "p": 0.28, "floor_p": 0.40},
+                            ],
+                            "residual": 0.44,
+                            "floor_residual": 0.55,
+                        }
+                    ],
+                },
+                {
+                    "id": "month",
+                    "combinations": [
+                        {
+                            "values": {},
+                            "answers": [{"text": "September", "p": 0.83}, {"text": "Sept", "p": 0.06}],
+                        }
+                    ],
+                },
+            ],
+            "packs": [
+                {
+                    "id": "spinf/moderation",
+                    "categories": [{"id": "harassment", "score": 0.02}],
+                    "decision": {"label": "allow"},
+                }
+            ],
+        }
+    ],
+    "warnings": [{"code": "low_option_mass", "input_id": "0", "query_id": "topic", "message": "…"}],
+    "usage": {
+        "prompt_tokens": 131,
+        "prompt_tokens_details": {"content_tokens": 14, "query_tokens": 60, "floor_tokens": 57},
+    },
 }
 
 

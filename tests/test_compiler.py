@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spinf_jax.api import Message, ScoreRequest
 from spinf_jax.compiler import (
     CompiledRequest,
     Limits,
@@ -16,6 +17,7 @@ from spinf_jax.compiler import (
     parse_template,
     render_content,
 )
+from spinf_jax.decoding import convert
 from spinf_jax.loader import open_checkpoint, resolve
 from spinf_jax.tokenizer import Tokenizer
 from tests.spec_example import SPEC_REQUEST as SPEC_EXAMPLE
@@ -56,9 +58,14 @@ def msg(text="Hi.") -> list:
     return [{"content": text}]
 
 
+def compile_body(body, tokenizer, limits: Limits | None = None) -> CompiledRequest:
+    """The library's path: a request as Python objects, decoded (spinf_jax.decoding), then compiled."""
+    return compile_request(convert(body, ScoreRequest), tokenizer, limits or Limits())
+
+
 def _raises(body, tokenizer, limits: Limits | None = None) -> ScoringError:
     with pytest.raises(ScoringError) as info:
-        compile_request(body, tokenizer, limits or Limits())
+        compile_body(body, tokenizer, limits)
     return info.value
 
 
@@ -72,7 +79,7 @@ def _questions(request: CompiledRequest):
 def test_spec_example_compiles(gemma):
     body = copy.deepcopy(SPEC_EXAMPLE)
     del body["packs"], body["scoring"]["queries"][3]
-    request = compile_request(body, gemma)
+    request = compile_body(body, gemma)
     assert (request.model, request.empty_floor, request.pack_ids) == ("spinf/gemma-4-12b-fp8", True, ())
     (content,) = request.contents
     assert content.input_id == "0"
@@ -110,18 +117,18 @@ def test_extraction_errors_come_before_not_supported(gemma):
 
 
 def test_packs(gemma):
-    request = compile_request({"messages": msg(), "packs": [{"id": "spinf/moderation"}, {"id": "b"}]}, gemma)
+    request = compile_body({"messages": msg(), "packs": [{"id": "spinf/moderation"}, {"id": "b"}]}, gemma)
     assert request.pack_ids == ("spinf/moderation", "b")
     assert request.contents[0].queries == ()
-    assert compile_request(req(YES_NO, packs=[{"id": "p"}]), gemma).pack_ids == ("p",)
+    assert compile_body(req(YES_NO, packs=[{"id": "p"}]), gemma).pack_ids == ("p",)
 
 
 def test_defaults_and_ignored_fields(gemma):
     body = req(YES_NO, temperature=0.2, stream=True, n=3, model=None)
     body["scoring"]["empty_floor"] = False
-    request = compile_request(body, gemma)
+    request = compile_body(body, gemma)
     assert (request.model, request.empty_floor, request.pack_ids) == (None, False, ())
-    assert compile_request(req(YES_NO), gemma).empty_floor is True
+    assert compile_body(req(YES_NO), gemma).empty_floor is True
 
 
 def test_content_rendering():
@@ -130,12 +137,12 @@ def test_content_rendering():
         {"role": "user", "content": [{"type": "text", "text": "two"}, {"type": "text", "text": "three"}]},
         {"content": ""},
     ]
-    assert render_content(messages, "messages") == "one\ntwo\nthree\n"
+    assert render_content(convert(messages, list[Message]), "messages") == "one\ntwo\nthree\n"
 
 
 def test_combination_list_keeps_order_and_template_key_order(gemma):
     combos = [{"b": "2", "a": "1"}, {"a": "x", "b": "y"}]
-    request = compile_request(req(q(template="{a} and {b}, {a}:{?}", combinations=combos)), gemma)
+    request = compile_body(req(q(template="{a} and {b}, {a}:{?}", combinations=combos)), gemma)
     questions = request.contents[0].queries[0].questions
     assert [list(qn.values.items()) for qn in questions] == [
         [("a", "1"), ("b", "2")],
@@ -148,7 +155,7 @@ def test_grid_follows_the_template_placeholder_order(gemma):
     query = q(
         template="{b} before {a}:{?}", combinations="all", values={"a": ["1", "2"], "b": ["x", "y", "z"]}
     )
-    questions = compile_request(req(query), gemma).contents[0].queries[0].questions
+    questions = compile_body(req(query), gemma).contents[0].queries[0].questions
     assert [(qn.values["b"], qn.values["a"]) for qn in questions] == [
         ("x", "1"), ("x", "2"), ("y", "1"), ("y", "2"), ("z", "1"), ("z", "2"),
     ]  # fmt: skip
@@ -156,7 +163,7 @@ def test_grid_follows_the_template_placeholder_order(gemma):
 
 
 def test_grid_without_placeholders_is_the_one_empty_combination(gemma):
-    request = compile_request(req(q(combinations="all", values={}), q(id="r", combinations=[{}])), gemma)
+    request = compile_body(req(q(combinations="all", values={}), q(id="r", combinations=[{}])), gemma)
     assert [[qn.values for qn in query.questions] for query in request.contents[0].queries] == [[{}], [{}]]
 
 
@@ -164,7 +171,7 @@ def test_literal_braces(gemma):
     parts, slot = parse_template("{{x}} is {y} {{{z}}}:{$}", "t")
     assert (parts, slot) == (["{x} is ", ("y",), " {", ("z",), "}:"], Slot.AMOUNT)
     query = q(template="{{x}} is {y} {{{z}}}:{?}", combinations=[{"y": "1", "z": "2"}])
-    question = compile_request(req(query), gemma).contents[0].queries[0].questions[0]
+    question = compile_body(req(query), gemma).contents[0].queries[0].questions[0]
     assert question.template_ids == tuple(gemma.encode("{x} is 1 {2}:"))
 
 
@@ -177,7 +184,7 @@ def test_parse_template_slots(template, slot):
 
 
 def test_option_boundary_gemma(gemma):
-    compile_request(req(q(template="Answer:{?}", options=[" yes"])), gemma)
+    compile_body(req(q(template="Answer:{?}", options=[" yes"])), gemma)
     error = _raises(req(q(template="Answer: {?}", options=[" no", " yes"])), gemma)
     assert (error.code, error.param) == ("option_boundary", "scoring.queries[0].options[0]")
     assert "' no'" in error.message and "space" in error.message
@@ -185,7 +192,7 @@ def test_option_boundary_gemma(gemma):
 
 def test_option_boundary_smollm(smollm):
     assert smollm.prefix() == []
-    compile_request(req(q(template="Answer:{?}", options=[" yes", " no"])), smollm)
+    compile_body(req(q(template="Answer:{?}", options=[" yes", " no"])), smollm)
     error = _raises(req(q(template="\n\nThe cat{?}", options=[" dog", "s"])), smollm)
     assert (error.code, error.param) == ("option_boundary", "scoring.queries[0].options[1]")
     # The check runs per combination: only the filled template that ends in a word glues to "s".
@@ -200,7 +207,7 @@ def test_no_bos_model_needs_template_text(gemma, smollm):
     query = q(template="{x}{?}", combinations=[{"x": "A:"}, {"x": ""}])
     error = _raises(req(query), smollm)
     assert (error.code, error.param) == ("invalid_template", "scoring.queries[0].template")
-    compile_request(req(query), gemma)  # BOS is there to read from
+    compile_body(req(query), gemma)  # BOS is there to read from
 
 
 ATOMS = ["Answer", ":", " ", "  ", "\n", "\t", "yes", " yes", "s", "1", "23", "'s", "é", "我们", "?", "-",
@@ -217,7 +224,7 @@ def test_junction_check_matches_the_whole_text(gemma, smollm, template, option):
             continue
         joins = tok.encode(template + option) == tok.encode(template) + tok.encode(option)
         try:
-            compile_request(req(q(template=template + "{?}", options=[option])), tok)
+            compile_body(req(q(template=template + "{?}", options=[option])), tok)
             assert joins
         except ScoringError as error:
             assert (error.code, joins) == ("option_boundary", False)
@@ -227,7 +234,7 @@ def test_duplicate_options_ignore_case(gemma):
     error = _raises(req(q(options=[" yes", " no", " Yes"])), gemma)
     assert (error.code, error.param) == ("duplicate_option", "scoring.queries[0].options[2]")
     assert "' Yes'" in error.message and "' yes'" in error.message
-    compile_request(req(q(options=[" yes", "yes"])), gemma)  # not the same text
+    compile_body(req(q(options=[" yes", "yes"])), gemma)  # not the same text
 
 
 def test_many_inputs_with_query_ids_and_own_queries(gemma):
@@ -242,7 +249,7 @@ def test_many_inputs_with_query_ids_and_own_queries(gemma):
             item["query_ids"] = []
             item["queries"] = [q(id="own", template=f"Is {i} even?{{?}}")]
         items.append(item)
-    request = compile_request(inputs(*items, queries=shared), gemma)
+    request = compile_body(inputs(*items, queries=shared), gemma)
     assert [c.input_id for c in request.contents] == [f"t{i}" for i in range(300)]
     assert [query.id for query in request.contents[0].queries] == ["q", "grid"]
     assert [query.id for query in request.contents[1].queries] == ["grid", "q"]
@@ -255,7 +262,7 @@ def test_many_inputs_with_query_ids_and_own_queries(gemma):
 
 
 def test_input_ids_default_to_the_index(gemma):
-    request = compile_request(
+    request = compile_body(
         inputs({"messages": msg()}, {"id": "b", "messages": msg()}, {"messages": msg()}), gemma
     )
     assert [c.input_id for c in request.contents] == ["0", "b", "2"]
@@ -283,7 +290,7 @@ def test_one_tokenizer_batch_for_a_large_request(gemma):
     items = [{"messages": msg(f"Content {i}.")} for i in range(15)]  # 1.5M option reads, under 2M
     counting = CountingTokenizer(gemma)
     start = time.perf_counter()
-    request = compile_request(inputs(*items, queries=[query]), counting)
+    request = compile_body(inputs(*items, queries=[query]), counting)
     elapsed = time.perf_counter() - start
     assert len(_questions(request)) == 15 * 1000
     # 15 contents + 1,000 filled templates + 100 options + ":" and the 100 joins ":" + option: every filled
@@ -461,7 +468,7 @@ LIMIT_CASES = [
 def test_limits(gemma, body, limits, code, param):
     error = _raises(body, gemma, limits)
     assert (error.code, error.param) == (code, param), error.message
-    compile_request(body, gemma)  # within the default limits
+    compile_body(body, gemma)  # within the default limits
 
 
 # --- junk never escapes as anything but a ScoringError ---------------------------------------------
@@ -511,7 +518,7 @@ KNOWN_CODES = {
 
 def _compiles_or_refuses(body, tok):
     try:
-        assert isinstance(compile_request(body, tok), CompiledRequest)
+        assert isinstance(compile_body(body, tok), CompiledRequest)
     except ScoringError as error:
         assert error.code in KNOWN_CODES and isinstance(error.message, str)
         assert error.param is None or isinstance(error.param, str)

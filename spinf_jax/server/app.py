@@ -10,14 +10,18 @@ from importlib.metadata import version
 
 import anyio.to_thread
 import jax
-import msgspec
 from litestar import Litestar, Request, Response, get, post
-from litestar.openapi import OpenAPIConfig
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig, ResponseSpec
+from litestar.params import JSONBody
 
+from spinf_jax import api
+from spinf_jax.decoding import decode
 from spinf_jax.engine import Engine
 from spinf_jax.packer import Buckets, default_sizes
 from spinf_jax.scoring import Scorer
-from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError
+from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError, error_responses
 from spinf_jax.server.metrics import Metrics
 from spinf_jax.server.runner import QueueFull, Runner
 
@@ -76,36 +80,41 @@ class Server:
         return self.scorer
 
 
-def _server(request: Request) -> Server:
-    return request.app.state.server
+def _server(connection: ASGIConnection) -> Server:
+    return connection.app.state.server
 
 
-def _authorize(request: Request) -> None:
-    key = _server(request).settings.api_key
+class ApiRequest(Request):
+    """Decodes a handler's `data` with spinf_jax.decoding, as the library does. Litestar's own decoding
+    converts leniently ("false" for false), writes a dict's key as `[...]` in its errors, and answers bytes
+    that are not UTF-8 with a 500; the Struct returned here passes its conversion unchanged."""
+
+    async def json(self) -> api.ScoreRequest:
+        # Litestar stops reading past request_max_body_size (413)
+        return decode(await self.body(), self.route_handler.parsed_data_field.annotation)
+
+
+async def _refuse_empty_body(request: Request) -> None:
+    """Litestar takes an empty body for a missing `data` argument; it is a body that is not JSON."""
+    if not await request.body():
+        raise ApiError("invalid_json", "the body is empty: send a JSON object")
+
+
+def _authorize(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """A guard: it runs before the body is read."""
+    key = _server(connection).settings.api_key
     if key is None:
         return
-    given = request.headers.get("authorization", "")
-    if given.removeprefix("Bearer ").strip() != key and request.headers.get("x-api-key") != key:
+    given = connection.headers.get("authorization", "")
+    if given.removeprefix("Bearer ").strip() != key and connection.headers.get("x-api-key") != key:
         raise ApiError("invalid_api_key", "missing or wrong API key (Authorization: Bearer <key>)")
 
 
-async def _body(request: Request) -> dict:
-    raw = await request.body()  # Litestar stops reading past request_max_body_size (413)
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise ApiError("invalid_json", f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError("invalid_request", "the body must be a JSON object")
-    return body
-
-
-async def _score(request: Request, body: dict) -> dict:
+async def _score(request: Request, body: api.ScoreRequest) -> api.ScoreResponse:
     server = _server(request)
     scorer = server.require_ready()
-    model = body.get("model")
-    if model is not None and model not in server.names():
-        raise ApiError("model_not_found", f"model {model!r} is not served here; see /v1/models", "model")
+    if body.model is not None and body.model not in server.names():
+        raise ApiError("model_not_found", f"model {body.model!r} is not served here; see /v1/models", "model")
     plan = await anyio.to_thread.run_sync(scorer.plan, body)
     try:
         future = server.runner.submit(plan)
@@ -114,88 +123,94 @@ async def _score(request: Request, body: dict) -> dict:
             "concurrency_limit", "too many requests are waiting; retry shortly", retry_after=1
         ) from None
     response = await asyncio.wrap_future(future)
-    if model is not None:
-        response["model"] = model
+    if body.model is not None:
+        response.model = body.model
     server.metrics.scored(response)
     return response
 
 
-@post("/v1/score", status_code=200, summary="Score closed questions about one or many contents")
-async def score(request: Request) -> Response:
-    _authorize(request)
-    return Response(await _score(request, await _body(request)))
+# What the two scoring routes share: the key checked first, then the body; every error documented.
+SCORING_ROUTE = {
+    "status_code": 200,
+    "guards": [_authorize],
+    "before_request": _refuse_empty_body,
+    "responses": error_responses(),
+}
+
+
+@post("/v1/score", summary="Score closed questions about one or many contents", **SCORING_ROUTE)
+async def score(request: Request, data: JSONBody[api.ScoreRequest]) -> api.ScoreResponse:
+    """Each answer is a probability over the options listed, read from one pass over the content."""
+    return await _score(request, data)
 
 
 @post(
     "/v1/chat/completions",
-    status_code=200,
     summary="OpenAI-compatible scoring (send `scoring` in extra_body)",
+    **SCORING_ROUTE,
 )
-async def chat_completions(request: Request) -> Response:
-    _authorize(request)
-    body = await _body(request)
-    if not any(key in body for key in ("scoring", "inputs", "packs")):
+async def chat_completions(request: Request, data: JSONBody[api.ChatCompletionRequest]) -> api.ChatCompletion:
+    """The scoring request through the OpenAI SDKs. Without `scoring`, `inputs` or `packs` the answer is
+    scoring_required: this server scores, it does not chat."""
+    if data.scoring is None and data.inputs is None and data.packs is None:
         raise ApiError(
             "scoring_required",
             "this server scores, it does not chat: send a `scoring` block (with the OpenAI SDK: extra_body)",
             "scoring",
         )
-    scored = await _score(request, body)
-    usage = scored["usage"] | {"completion_tokens": 0, "total_tokens": scored["usage"]["prompt_tokens"]}
-    return Response(
-        {
-            "id": "chatcmpl-" + scored["id"].removeprefix("score-"),
-            "object": "chat.completion",
-            "created": scored["created"],
-            "model": scored["model"],
-            "system_fingerprint": scored["system_fingerprint"],
-            "choices": [],
-            "results": scored["results"],
-            "warnings": scored["warnings"],
-            "usage": usage,
-        }
+    scored = await _score(request, data)
+    usage = scored.usage
+    return api.ChatCompletion(
+        id="chatcmpl-" + scored.id.removeprefix("score-"),
+        created=scored.created,
+        model=scored.model,
+        system_fingerprint=scored.system_fingerprint,
+        choices=[],
+        results=scored.results,
+        warnings=scored.warnings,
+        usage=api.ChatUsage(
+            prompt_tokens=usage.prompt_tokens,
+            prompt_tokens_details=usage.prompt_tokens_details,
+            total_tokens=usage.prompt_tokens,
+        ),
     )
 
 
-@get("/v1/models", summary="The served model(s)")
-async def models(request: Request) -> dict:
-    _authorize(request)
+@get("/v1/models", guards=[_authorize], responses=error_responses(401), summary="The served model(s)")
+async def models(request: Request) -> api.ModelList:
     server = _server(request)
     created = server.ready_at or int(time.time())
-    return {
-        "object": "list",
-        "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "spinf"}
-            for name in server.names()
-        ],
-    }
+    return api.ModelList(
+        data=[api.ModelCard(id=name, created=created, owned_by="spinf") for name in server.names()]
+    )
 
 
-@get("/health", summary="Readiness, model, fingerprint, versions and limits")
-async def health(request: Request) -> Response:
+@get(
+    "/health",
+    responses={
+        503: ResponseSpec(api.Health, generate_examples=False, description="loading, or failed to load")
+    },
+    summary="Readiness, model, fingerprint, versions and limits",
+)
+async def health(request: Request) -> Response[api.Health]:
+    """200 once the model is loaded and compiled, 503 before (or if it failed)."""
     server = _server(request)
     engine = server.engine
-    status = "ok" if engine else ("error" if server.failure else "warming_up")
-    body = {
-        "status": status,
-        "ready": engine is not None,
-        "model": server.settings.model,
-        "served_names": server.names(),
-        "precision": server.settings.precision,
-        "versions": {
-            "spinf_jax": version("spinf-jax"),
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
-        },
-    }
-    if server.failure:
-        body["error"] = server.failure
+    body = api.Health(
+        status="ok" if engine else ("error" if server.failure else "warming_up"),
+        ready=engine is not None,
+        model=server.settings.model,
+        served_names=server.names(),
+        precision=server.settings.precision,
+        versions=api.Versions(
+            spinf_jax=version("spinf-jax"), jax=jax.__version__, backend=jax.default_backend()
+        ),
+        error=server.failure,
+    )
     if engine:
-        body |= {
-            "system_fingerprint": engine.fingerprint,
-            "buckets": list(engine.buckets.sizes),
-            "limits": {**dataclasses.asdict(server.scorer.limits), "max_body_bytes": MAX_BODY},
-        }
+        body.system_fingerprint = engine.fingerprint
+        body.buckets = list(engine.buckets.sizes)
+        body.limits = {**dataclasses.asdict(server.scorer.limits), "max_body_bytes": MAX_BODY}
     return Response(body, status_code=200 if engine else 503)
 
 
@@ -227,6 +242,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
     server = Server(settings)
     app = Litestar(
         route_handlers=[score, chat_completions, models, health, metrics],
+        request_class=ApiRequest,
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=MAX_BODY,
         middleware=[_count_requests],

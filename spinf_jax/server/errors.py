@@ -4,10 +4,12 @@ import uuid
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+from litestar.openapi import ResponseSpec
 
+from spinf_jax import api
 from spinf_jax.errors import CODES, ScoringError
 
-_TYPES = {
+_TYPES: dict[int, api.ErrorType] = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
@@ -37,12 +39,28 @@ def request_id(request: Request) -> str:
 
 def envelope(
     request: Request, status: int, code: str, message: str, param=None, retry_after=None
-) -> Response:
+) -> Response[api.ErrorEnvelope]:
     headers = {"x-request-id": request_id(request)}
     if retry_after is not None:
         headers["retry-after"] = str(retry_after)
-    error = {"type": _TYPES.get(status, "server_error"), "code": code, "message": message, "param": param}
-    return Response({"error": error, "request_id": request_id(request)}, status_code=status, headers=headers)
+    error = api.ErrorDetail(type=_TYPES.get(status, "server_error"), code=code, message=message, param=param)
+    return Response(
+        api.ErrorEnvelope(error=error, request_id=request_id(request)), status_code=status, headers=headers
+    )
+
+
+def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
+    """The envelope's entries in the OpenAPI document, each naming its codes; all of CODES' statuses when
+    none are given."""
+    statuses = statuses or tuple(sorted({status for status, _ in CODES.values()}))
+    return {
+        status: ResponseSpec(
+            api.ErrorEnvelope,
+            generate_examples=False,
+            description=", ".join(code for code, (s, _) in CODES.items() if s == status),
+        )
+        for status in statuses
+    }
 
 
 def handle_scoring_error(request: Request, exc: ScoringError) -> Response:

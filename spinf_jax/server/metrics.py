@@ -3,6 +3,10 @@
 import threading
 from collections import defaultdict
 
+import msgspec
+
+from spinf_jax.api import ScoreResponse
+
 PASS_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -19,11 +23,11 @@ class Metrics:
         with self._lock:
             self.requests[(path, status)] += 1
 
-    def scored(self, response: dict) -> None:
+    def scored(self, response: ScoreResponse) -> None:
         with self._lock:
-            for result in response["results"]:
-                self.questions += sum(len(q["combinations"]) for q in result["queries"])
-            for kind, n in response["usage"]["prompt_tokens_details"].items():
+            for result in response.results:
+                self.questions += sum(len(q.combinations) for q in result.queries)
+            for kind, n in msgspec.structs.asdict(response.usage.prompt_tokens_details).items():
                 self.tokens[kind.removesuffix("_tokens")] += n
 
     def on_pass(self, size: int, seconds: float) -> None:

@@ -1,0 +1,325 @@
+"""The API's bodies (SPEC sections 1-3) as msgspec Structs: what a request decodes into, what a response
+encodes from, and what Litestar documents at /schema. Litestar documents a field's Meta description, not a
+Struct's docstring: what a client needs to read is said on the fields.
+
+Decoding checks what JSON can say (types, required fields, lists that must not be empty); the compiler checks
+what the request means (slots, placeholders, options, limits). Optional fields are None when absent, and null
+counts as absent: OpenAI-style clients send null for "not given". Unknown fields are ignored, so a body
+written for the hosted API, or a chat completion with generation settings, decodes as it is.
+"""
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+from spinf_jax.errors import CODES
+
+# ---------------------------------------------------------------------------------------------------------
+# The request (SPEC section 1)
+
+
+class TextPart(Struct, kw_only=True, tag_field="type", tag="text"):
+    text: str
+
+
+# Parts for models that read more than text. Their payloads are not looked into: the models served today
+# read text only and answer these with unsupported_content.
+class ImagePart(Struct, kw_only=True, tag_field="type", tag="image_url"):
+    image_url: dict[str, Any] | None = None
+
+
+class AudioPart(Struct, kw_only=True, tag_field="type", tag="input_audio"):
+    input_audio: dict[str, Any] | None = None
+
+
+class VideoPart(Struct, kw_only=True, tag_field="type", tag="video_url"):
+    video_url: dict[str, Any] | None = None
+
+
+ContentPart = TextPart | ImagePart | AudioPart | VideoPart
+
+
+class Message(Struct, kw_only=True):
+    role: Annotated[str | None, Meta(description="ignored: no chat template is applied")] = None
+    content: Annotated[
+        str | list[ContentPart],
+        Meta(
+            description="a string, or a list of parts: text, and image_url / input_audio / video_url for "
+            "models that read them (text-only models answer those with unsupported_content)"
+        ),
+    ]
+
+
+Messages = Annotated[
+    list[Message],
+    Meta(
+        min_length=1, description='one content: every message\'s text, joined with "\\n"; roles are ignored'
+    ),
+]
+
+
+class Query(Struct, kw_only=True):
+    """A closed question: a template read right after the content, and the options scored at its slot."""
+
+    id: Annotated[str, Meta(min_length=1, description="names the query in the results; unique per content")]
+    template: Annotated[
+        str,
+        Meta(
+            description="text that ends in exactly one slot: {?} (score the options), or {*} (text), {n} (a "
+            "number), {$} (an amount), which may be followed by a short closing text; up to 5 {name} "
+            "placeholders; {{ and }} are literal braces; at most 256 tokens once filled"
+        ),
+    ]
+    options: (
+        Annotated[
+            list[str],
+            Meta(
+                min_length=1,
+                description="for a {?} slot: 1 to 1,000 options of 1 to 5 tokens each, written as they "
+                'continue the template (" yes"), no two equal ignoring case',
+            ),
+        ]
+        | None
+    ) = None
+    combinations: Annotated[
+        Annotated[list[dict[str, str]], Meta(min_length=1)] | Literal["all"] | None,
+        Meta(
+            description='the placeholders\' values: a list of {name: value} objects, or "all" for every '
+            "combination of `values` (at most 1,000 per query); absent for a template without placeholders"
+        ),
+    ] = None
+    values: Annotated[
+        dict[str, Annotated[list[str], Meta(min_length=1)]] | None,
+        Meta(description='with combinations "all": {name: [values]}'),
+    ] = None
+
+
+class Scoring(Struct, kw_only=True):
+    queries: Annotated[
+        list[Query] | None,
+        Meta(
+            description="asked of every content (of an input, those it names in query_ids); at most 10,000 "
+            "questions (templates x combinations) per content"
+        ),
+    ] = None
+    empty_floor: Annotated[
+        bool | None,
+        Meta(description="score each question on empty content too (floor_p, floor_residual); absent: true"),
+    ] = None
+
+
+class Input(Struct, kw_only=True):
+    """One of several contents, asked the scoring queries (or those it names) and its own."""
+
+    id: Annotated[str, Meta(min_length=1, description="its results' input_id; absent: its index")] | None = (
+        None
+    )
+    messages: Messages
+    query_ids: Annotated[
+        list[str] | None, Meta(description="ask only these of scoring.queries; absent: all of them")
+    ] = None
+    queries: Annotated[list[Query] | None, Meta(description="questions for this content only")] = None
+
+
+class PackRef(Struct, kw_only=True):
+    id: str
+
+
+class ScoreRequest(Struct, kw_only=True):
+    """Closed questions about one content (`messages`) or several (`inputs`)."""
+
+    model: Annotated[str | None, Meta(description="a served model's name; absent: the served model")] = None
+    messages: Messages | None = None
+    inputs: (
+        Annotated[
+            list[Input],
+            Meta(
+                min_length=1, description="several contents instead of messages; results come in this order"
+            ),
+        ]
+        | None
+    ) = None
+    scoring: Annotated[Scoring | None, Meta(description="required, unless packs ask the questions")] = None
+    packs: Annotated[
+        list[PackRef] | None,
+        Meta(description="preloaded prompt packs whose questions are asked in the same read"),
+    ] = None
+
+
+class ChatCompletionRequest(ScoreRequest, kw_only=True):
+    """The scoring request as the OpenAI SDKs send it: scoring, inputs and packs travel in extra_body."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The response (SPEC section 2)
+
+
+class OptionScore(Struct, kw_only=True, omit_defaults=True):
+    text: str
+    logprob: Annotated[float, Meta(description="log P(the option's tokens | content + filled template)")]
+    p: Annotated[float, Meta(description="exp(logprob) renormalised over the listed options")]
+    floor_p: Annotated[float | None, Meta(description="p on empty content; absent without the floor")] = None
+
+
+class Answer(Struct, kw_only=True, omit_defaults=True):
+    """One of the most likely answers at an extraction slot ({*}, {n}, {$})."""
+
+    text: str
+    p: float
+    value: Annotated[float | None, Meta(description="the number, for {n} and {$} answers")] = None
+    currency: Annotated[str | None, Meta(description="for {$} answers where one is written")] = None
+
+
+class CombinationResult(Struct, kw_only=True, omit_defaults=True):
+    values: Annotated[dict[str, str], Meta(description="the placeholders' values; {} when there are none")]
+    options: Annotated[list[OptionScore] | None, Meta(description="for a {?} slot, in request order")] = None
+    residual: Annotated[
+        float | None, Meta(description="1 - Σ exp(logprob): the mass on other words, clamped at 0")
+    ] = None
+    floor_residual: Annotated[float | None, Meta(description="residual on empty content")] = None
+    answers: Annotated[list[Answer] | None, Meta(description="for extraction slots")] = None
+
+
+class QueryResult(Struct, kw_only=True):
+    id: str
+    combinations: Annotated[list[CombinationResult], Meta(description="one per combination, in order")]
+
+
+class CategoryScore(Struct, kw_only=True):
+    id: str
+    score: float
+
+
+class PackDecision(Struct, kw_only=True):
+    label: Annotated[str, Meta(description="the pack's decision, such as allow, review or block")]
+
+
+class PackResult(Struct, kw_only=True):
+    id: str
+    categories: list[CategoryScore]
+    decision: PackDecision
+
+
+class InputResult(Struct, kw_only=True, omit_defaults=True):
+    input_id: Annotated[str, Meta(description="the input's id, or its index as a string")]
+    queries: list[QueryResult]
+    packs: Annotated[list[PackResult] | None, Meta(description="one per pack asked for")] = None
+
+
+class ScoringWarning(Struct, kw_only=True):
+    code: Annotated[
+        Literal["low_option_mass"],
+        Meta(description="the options hold under 5% of the probability at the slot"),
+    ]
+    input_id: str
+    query_id: str
+    message: str
+
+
+class TokenDetails(Struct, kw_only=True):
+    content_tokens: int
+    query_tokens: int
+    floor_tokens: int
+
+
+class Usage(Struct, kw_only=True):
+    prompt_tokens: Annotated[int, Meta(description="every token processed: contents, questions, floors")]
+    prompt_tokens_details: TokenDetails
+
+
+class _Scores(Struct, kw_only=True):
+    """What a scoring response and a chat completion share; each names its `object`."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: Annotated[
+        str, Meta(description="changes whenever scores could change; equal fingerprints compare bit for bit")
+    ]
+    results: Annotated[list[InputResult], Meta(description="one per content, in request order")]
+    warnings: list[ScoringWarning]
+    usage: Usage
+
+
+class ScoreResponse(_Scores, kw_only=True):
+    object: Literal["score"] = "score"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The OpenAI-compatible surface and the server (SPEC section 3)
+
+
+class ChatUsage(Usage, kw_only=True):
+    completion_tokens: Literal[0] = 0
+    total_tokens: Annotated[int, Meta(description="prompt_tokens: nothing is generated")]
+
+
+class ChatCompletion(_Scores, kw_only=True):
+    object: Literal["chat.completion"] = "chat.completion"
+    usage: ChatUsage
+    choices: Annotated[
+        list[dict[str, Any]], Meta(max_length=0, description="always empty: the scores are in results")
+    ]
+
+
+class ModelCard(Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Versions(Struct, kw_only=True):
+    spinf_jax: str
+    jax: str
+    backend: str
+
+
+class Health(Struct, kw_only=True, omit_defaults=True):
+    """The server's state; 503 until the model is loaded and compiled."""
+
+    status: Literal["ok", "warming_up", "error"]
+    ready: bool
+    model: str
+    served_names: list[str]
+    precision: str
+    versions: Versions
+    error: Annotated[str | None, Meta(description="why the model failed to load")] = None
+    system_fingerprint: str | None = None
+    buckets: Annotated[list[int] | None, Meta(description="the compiled pass sizes, in tokens")] = None
+    limits: Annotated[
+        dict[str, int] | None, Meta(description="the request limits, max_body_bytes included")
+    ] = None
+
+
+ErrorType = Literal[
+    "invalid_request_error",
+    "authentication_error",
+    "not_found_error",
+    "rate_limit_error",
+    "not_supported_error",
+    "overloaded_error",
+    "server_error",
+]
+
+
+class ErrorDetail(Struct, kw_only=True):
+    type: ErrorType
+    code: Literal[tuple(CODES)]  # the table in docs/api.md
+    message: str
+    param: Annotated[
+        str | None, Meta(description="the offending field, as inputs[2].queries[0].template; null for none")
+    ]
+
+
+class ErrorEnvelope(Struct, kw_only=True):
+    """Every failure, with its HTTP status."""
+
+    error: ErrorDetail
+    request_id: str

@@ -1,0 +1,125 @@
+"""A body as JSON bytes (the server) or as Python objects (the library) → its spinf_jax.api Struct, or a
+ScoringError: invalid_json where the bytes are not JSON, invalid_request naming the field where the JSON does
+not fit the Struct.
+
+msgspec says where decoding failed with a path, `$.inputs[2].queries[0].id`; the API's param is that path
+without `$.`. Two things are added: the name of a missing field (`messages[0]` → `messages[0].content`), and a
+dict's key, which msgspec writes as `[...]`, found in the body (`values[...][1]` → `values.tone[1]`).
+"""
+
+import re
+import types
+import typing
+from typing import Annotated, Any
+
+import msgspec
+
+from spinf_jax.errors import ScoringError
+
+_FAILURE = re.compile(r"(?P<what>.*?)(?: - at (?:`key` in )?`\$(?P<path>.*)`)?", re.S)
+_MISSING = re.compile(r"Object missing required field `(\w+)`")
+_STEP = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
+
+Step = str | int  # a key or an index into the body
+
+
+def decode[T](body: bytes, kind: type[T]) -> T:
+    try:
+        raw = msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bytes that are not UTF-8 raise the latter
+        raise ScoringError("invalid_json", f"the body is not valid JSON: {exc}") from None
+    return _convert(raw, kind)
+
+
+def convert[T](body: object, kind: type[T]) -> T:
+    """Python objects → `kind`. They are checked for lone surrogates first: a JSON decoder refuses "\\ud800",
+    but a string built in Python can hold one, and it would crash the tokenizer."""
+    where = _lone_surrogate(body)
+    if where is not None:
+        param = _param(where)
+        raise ScoringError("invalid_request", f"{param or 'the body'} is not valid Unicode text", param)
+    return _convert(body, kind)
+
+
+def _convert[T](raw: Any, kind: type[T]) -> T:
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as exc:
+        failure = _FAILURE.fullmatch(str(exc))
+        steps = _steps(failure["path"] or "", raw, kind)
+        where = _param(steps)
+        if missing := _MISSING.fullmatch(failure["what"]):
+            steps.append(missing[1])
+        message = f"{failure['what']} - at {where}" if where else failure["what"]
+        raise ScoringError("invalid_request", message, _param(steps)) from None
+
+
+def _param(steps: list[Step] | tuple[Step, ...]) -> str | None:
+    return "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in steps).removeprefix(".") or None
+
+
+def _steps(path: str, raw: Any, kind: Any) -> list[Step]:
+    """msgspec's path as keys and indices into `raw`, each `[...]` made the key whose value does not fit
+    (msgspec converts a dict's items in order and stops at the first that fails). Only a path with `[...]`
+    needs the types along it; none passes through a tagged union, whose tag is no field."""
+    steps: list[Step] = [
+        name or (int(index) if index.isdigit() else index) for name, index in _STEP.findall(path)
+    ]
+    if "..." not in steps:
+        return steps
+    for i, step in enumerate(steps):
+        kind = _decoded_as(kind, raw)
+        if step == "...":
+            kind = typing.get_args(kind)[1]
+            steps[i] = next(key for key, value in raw.items() if not _fits(value, kind))
+        elif isinstance(step, int):
+            kind = typing.get_args(kind)[0]
+        else:
+            kind = {field.encode_name: field.type for field in msgspec.structs.fields(kind)}[step]
+        raw = raw[steps[i]]
+    return steps
+
+
+def _decoded_as(kind: Any, raw: Any) -> Any:
+    """The type within `kind` (Annotated, or a union) that a JSON object or array like `raw` decodes as."""
+    if typing.get_origin(kind) is Annotated:
+        return _decoded_as(typing.get_args(kind)[0], raw)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        container = dict if isinstance(raw, dict) else list  # a Python tuple converts as an array
+        arms = [_decoded_as(arm, raw) for arm in typing.get_args(kind)]
+        return next(arm for arm in arms if _json_container(arm) is container)
+    return kind
+
+
+def _json_container(kind: Any) -> type | None:
+    """dict for a type that decodes from a JSON object, list for one that decodes from an array."""
+    origin = typing.get_origin(kind) or kind
+    if origin is dict or (isinstance(origin, type) and issubclass(origin, msgspec.Struct)):
+        return dict
+    return list if origin is list else None
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    try:
+        msgspec.convert(value, kind)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+def _lone_surrogate(value: Any, path: tuple[Step, ...] = ()) -> tuple[Step, ...] | None:
+    """Where the first string that is not valid Unicode is, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path
+        return None
+    children = (
+        value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    )
+    for key, child in children:
+        found = _lone_surrogate(child, (*path, key))
+        if found is not None:
+            return found
+    return None

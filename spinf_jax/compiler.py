@@ -66,6 +66,7 @@ class Content:
     input_id: str
     content_ids: tuple[int, ...]  # tokens(content text), no BOS
     queries: tuple[Query, ...]
+    param: str  # its messages field, which errors about the content name
 
 
 @dataclass(frozen=True)
@@ -482,7 +483,7 @@ def compile_request(request: api.ScoreRequest, tokenizer, limits: Limits = Limit
             )
 
     contents = tuple(
-        Content(item.input_id, ids[item.text], tuple(queries[id(spec)] for spec in item.specs))
+        Content(item.input_id, ids[item.text], tuple(queries[id(spec)] for spec in item.specs), item.param)
         for item in inputs
     )
     return CompiledRequest(request.model, contents, scoring.empty_floor is not False, pack_ids)

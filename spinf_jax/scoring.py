@@ -72,7 +72,7 @@ class Scorer:
             try:
                 chunks = content_trees(prefix, list(content.content_ids), keys, self.engine.buckets)
             except ValueError as e:
-                raise ScoringError("content_too_long", str(e), f"inputs[{c}]") from e
+                raise ScoringError("question_too_large", str(e), content.param) from e
             trees += budget.spend(tree for tree, _ in chunks)
             owners += [c] * len(chunks)
             wanted |= dict.fromkeys(keys)

@@ -96,6 +96,9 @@ REQUESTS = {
         {},
     ),
     "content_too_long": (_body(), {"max_content_tokens": 1}),
+    # gemma_engine's largest bucket is 1,024 tokens: a content within the limit that, with its question,
+    # fills more than that.
+    "question_too_large": ({**_body(), "messages": [{"content": "word " * 1100}]}, {}),
     "too_many_questions": (_body(YES_NO, YES_NO | {"id": "r"}), {"max_questions_per_content": 1}),
     "too_many_inputs": (_inputs({"messages": MESSAGES}, {"messages": MESSAGES}), {"max_inputs": 1}),
     "unknown_query": (_inputs({"messages": MESSAGES, "query_ids": ["nope"]}), {}),

@@ -281,6 +281,18 @@ class Versions(Struct, kw_only=True):
     backend: str
 
 
+class DeviceMemory(Struct, kw_only=True, omit_defaults=True):
+    needed_bytes: Annotated[
+        int,
+        Meta(description="the largest pass's peak by XLA's buffer assignment: weights, inputs, temporaries"),
+    ]
+    in_use_bytes: Annotated[
+        int | None, Meta(description="the allocator's count now (GPUs; absent on CPUs)")
+    ] = None
+    peak_bytes: Annotated[int | None, Meta(description="the allocator's peak since start (GPUs)")] = None
+    limit_bytes: Annotated[int | None, Meta(description="what the allocator may take (GPUs)")] = None
+
+
 class Health(Struct, kw_only=True, omit_defaults=True):
     """The server's state; 503 until the model is loaded and compiled."""
 
@@ -296,6 +308,7 @@ class Health(Struct, kw_only=True, omit_defaults=True):
     limits: Annotated[
         dict[str, int] | None, Meta(description="the request limits, max_body_bytes included")
     ] = None
+    memory: DeviceMemory | None = None
 
 
 ErrorType = Literal[

@@ -34,25 +34,32 @@ def _parity(args) -> int:
 
 
 def _serve(args) -> int:
+    from spinf_jax.server.settings import SettingsError, read_flags
+
+    try:
+        launch = read_flags(args, os.environ)
+    except SettingsError as exc:
+        print("\n".join(f"spinf-jax serve: {problem}" for problem in exc.problems), file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"spinf-jax serve: the settings are valid: {launch.summary()}")
+        return 0
+
+    from spinf_jax.server.memory import cap_device_memory
+
+    if launch.settings.device_memory_cap_gib is not None:
+        cap_device_memory(launch.settings.device_memory_cap_gib)  # before JAX starts its backend
+
     import uvicorn
 
     from spinf_jax.engine import use_compilation_cache
-    from spinf_jax.loader import DEFAULT_MODEL
-    from spinf_jax.server.app import Settings, create_app
+    from spinf_jax.server.app import create_app
+    from spinf_jax.server.protocol import uvicorn_config
 
-    if args.compile_cache != "none":
-        use_compilation_cache(Path(args.compile_cache).expanduser())
-
-    settings = Settings(
-        model=args.model or DEFAULT_MODEL,
-        precision=args.precision,
-        buckets=tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None,
-        api_key=args.api_key or os.environ.get("SPINF_API_KEY") or None,
-        max_queue=args.max_queue,
-        max_delay_ms=args.max_delay_ms,
-        served_names=tuple(args.served_model_name),
-    )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    if launch.compile_cache is not None:
+        use_compilation_cache(launch.compile_cache)
+    app = create_app(launch.settings)
+    uvicorn.Server(uvicorn_config(app, launch.host, launch.port, launch.log_level)).run()
     return 0
 
 
@@ -72,17 +79,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="with --all: only manifest entries whose name contains this")
     p.set_defaults(run=_parity)
 
-    p = sub.add_parser("serve", help="serve the scoring API (/v1/score, /v1/chat/completions, /v1/models)")
+    p = sub.add_parser(
+        "serve",
+        help="serve the scoring API (/v1/score, /v1/chat/completions, /v1/models)",
+        description="Every flag is checked before the model loads; any problem stops the start, with exit "
+        "status 2 (docs/configuration.md).",
+    )
+    # Numbers and choices are read as text and checked by server.settings: it reports every problem at once.
     p.add_argument(
         "model", nargs="?", help="built-in name, folder, .gguf file or Hub id (default: Gemma 3 270M)"
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp8", "int8"])
-    p.add_argument("--api-key", help="require this key (Authorization: Bearer); default: $SPINF_API_KEY")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 429")
-    p.add_argument("--max-delay-ms", type=float, default=5.0, help="longest wait for company in a pass")
+    p.add_argument("--port", default="8000")
+    p.add_argument("--precision", default="bf16", metavar="{bf16,fp8,int8,fp32}")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require this key (Authorization: Bearer, or x-api-key); repeat for several; "
+        "default: $SPINF_API_KEY",
+    )
+    p.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="require one of the keys in this file: one a line, blank lines and # comments skipped",
+    )
+    p.add_argument("--metrics-auth", action="store_true", help="/metrics asks for a key too")
+    p.add_argument("--max-queue", default="64", help="requests waiting beyond this get 429")
+    p.add_argument("--max-delay-ms", default="5", help="longest wait for company in a pass")
     p.add_argument("--buckets", help="pass sizes in tokens, comma-separated (default by backend)")
+    p.add_argument(
+        "--device-memory-cap", metavar="GIB", help="the most device memory to use (docs/configuration.md)"
+    )
     p.add_argument(
         "--served-model-name", action="append", default=[], help="another name the model answers to"
     )
@@ -91,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         default="~/.cache/spinf-jax/xla",
         help="folder for compiled bucket programs, reused across restarts ('none' to disable)",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", metavar="{critical,error,warning,info,debug,trace}")
+    p.add_argument("--check", action="store_true", help="check the settings, then exit: 0 if valid, else 2")
     p.set_defaults(run=_serve)
 
     args = parser.parse_args(argv)

@@ -110,15 +110,31 @@ class Engine:
         # static. (Weights changed on model.decoder after this are not seen by this engine.)
         graphdef, self._weights = split(model.decoder)
         self._run = jax.jit(partial(_score_pass, graphdef=graphdef, row_tile=model.row_tile))
+        self._programs: dict[int, jax.stages.Compiled] = {}  # bucket size → its compiled pass
 
     @classmethod
     def load(cls, spec: str = DEFAULT_MODEL, precision: str = "bf16", **kwargs) -> "Engine":
         return cls(load_model(spec, precision), **kwargs)
 
     def warmup(self) -> None:
-        """Compile every bucket's program now (the server does this before it reports ready)."""
+        """Compile every bucket's program now and run it once (the server does this before it reports
+        ready)."""
         for size in self.buckets.sizes:
             self._run_pass(self._empty_pass(size))
+
+    def program(self, size: int) -> jax.stages.Compiled:
+        """One bucket's compiled program, compiled on first use (warmup compiles them all)."""
+        if size not in self._programs:
+            self._programs[size] = self.lowered(size).compile()
+        return self._programs[size]
+
+    def device_bytes_needed(self) -> int:
+        """Device memory the largest pass needs at its peak, by XLA's buffer assignment: the weights and the
+        pass's inputs, its temporaries and its outputs (compiles every bucket not compiled yet)."""
+        return max(
+            m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            for m in (self.program(size).memory_analysis() for size in self.buckets.sizes)
+        )
 
     def _bucket(self, size: int) -> Buckets:
         return Buckets(tuple(s for s in self.buckets.sizes if s >= size), self.buckets.block)
@@ -129,7 +145,7 @@ class Engine:
         return self._weights, batch, p.read_rows, p.target_read, p.target_token
 
     def _run_pass(self, p: Pass) -> tuple[np.ndarray, np.ndarray]:
-        return tuple(map(np.asarray, self._run(*self._pass_args(p))))
+        return tuple(map(np.asarray, self.program(p.size)(*self._pass_args(p))))
 
     def lowered(self, size: int) -> jax.stages.Lowered:
         """One bucket's program, lowered, for inspection (`.compile().memory_analysis()`, `.as_text()`)."""

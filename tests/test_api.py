@@ -176,6 +176,6 @@ def test_bytes_that_are_not_json(client, raw):
 
 
 def test_the_key_is_checked_before_the_body():
-    client = TestClient(create_app(Settings("spinf/gemma-3-270m", api_key="sekret")))
+    client = TestClient(create_app(Settings("spinf/gemma-3-270m", api_keys=("sekret",))))
     response = client.post("/v1/score", content=b"{nope")
     assert (response.status_code, response.json()["error"]["code"]) == (401, "invalid_api_key")

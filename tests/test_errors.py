@@ -11,7 +11,9 @@ from litestar.testing import TestClient
 from spinf_jax.compiler import Limits
 from spinf_jax.errors import CODES, ScoringError
 from spinf_jax.scoring import Scorer
+from spinf_jax.server import app as app_module
 from spinf_jax.server.app import Server, Settings, create_app
+from spinf_jax.server.runner import Runner
 
 REPO = Path(__file__).resolve().parent.parent
 # Where a code is the n-th positional argument of a call, and helpers that stand for one code.
@@ -119,7 +121,7 @@ def test_request_codes_are_reachable(gemma_engine, code):
 
 @pytest.fixture(scope="module")
 def client(gemma_engine):
-    app = create_app(Settings("spinf/gemma-3-270m", api_key="sekret", max_queue=1), gemma_engine)
+    app = create_app(Settings("spinf/gemma-3-270m", api_keys=("sekret",), max_queue=1), gemma_engine)
     with TestClient(app) as client:
         client.headers["authorization"] = "Bearer sekret"
         deadline = time.monotonic() + 300
@@ -158,6 +160,15 @@ def test_server_codes_are_reachable(client, monkeypatch):
     monkeypatch.setattr(server.scorer, "plan", _failing_plan("a bug"))
     reached.add(code_of(client.post("/v1/score", json=_body()), 500))
     assert client.post("/v1/score", json=_body()).status_code == 500  # still up, still answering
+    # No body arrives in no time (a body that really stops halfway: test_backpressure).
+    monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 0)
+    reached.add(code_of(client.post("/v1/score", json=_body()), 408))
+    monkeypatch.undo()
+    stopped = Runner(server.scorer)
+    stopped.close()
+    with pytest.raises(ScoringError) as e:
+        stopped.submit(None)
+    reached.add(e.value.code)
 
     loading = Server(Settings("spinf/gemma-3-270m"))
     with pytest.raises(ScoringError) as e:

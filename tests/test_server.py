@@ -62,7 +62,7 @@ def url(engine):
 @pytest.fixture(scope="module")
 def strict_url(engine):
     """A server with an API key and no room in its queue."""
-    server, thread, url = _serve(create_app(Settings(MODEL, api_key="sekret", max_queue=0), engine))
+    server, thread, url = _serve(create_app(Settings(MODEL, api_keys=("sekret",), max_queue=0), engine))
     yield url
     server.should_exit = True
     thread.join(timeout=10)

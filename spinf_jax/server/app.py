@@ -5,38 +5,33 @@ import asyncio
 import dataclasses
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from importlib.metadata import version
 
 import anyio.to_thread
 import jax
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.params import JSONBody
+from litestar.types import ASGIApp
 
 from spinf_jax import api
 from spinf_jax.decoding import decode
 from spinf_jax.engine import Engine
 from spinf_jax.packer import Buckets, default_sizes
 from spinf_jax.scoring import Scorer
+from spinf_jax.server.auth import ApiKeys
 from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError, error_responses
-from spinf_jax.server.metrics import Metrics
+from spinf_jax.server.memory import check_fits
+from spinf_jax.server.metrics import DISCONNECTED, UNMATCHED, Metrics
 from spinf_jax.server.runner import QueueFull, Runner
+from spinf_jax.server.settings import Settings
 
 MAX_BODY = 2 * 1024 * 1024
-
-
-@dataclass
-class Settings:
-    model: str
-    precision: str = "bf16"
-    buckets: tuple[int, ...] | None = None  # None: by backend (packer.default_sizes)
-    api_key: str | None = None
-    max_queue: int = 64
-    max_delay_ms: float = 5.0
-    served_names: tuple[str, ...] = ()  # extra names the model answers to (e.g. the hosted service's)
+BODY_TIMEOUT_S = 30.0  # from the first byte of the body to the last
 
 
 @dataclass
@@ -50,6 +45,10 @@ class Server:
     runner: Runner | None = None
     failure: str | None = None
     ready_at: int | None = None
+    memory_needed: int | None = None  # bytes: the largest pass's peak (Engine.device_bytes_needed)
+
+    def __post_init__(self):
+        self.metrics.read_queue_depth(lambda: self.runner.depth if self.runner else 0)
 
     def start(self, engine: Engine | None = None) -> None:
         threading.Thread(target=self._load, args=(engine,), name="spinf-load", daemon=True).start()
@@ -62,6 +61,8 @@ class Server:
             )
             engine.on_pass = self.metrics.on_pass
             engine.warmup()
+            self.memory_needed = engine.device_bytes_needed()
+            check_fits(self.memory_needed, s.device_memory_cap_gib)
             self.scorer = Scorer(engine)
             self.runner = Runner(self.scorer, s.max_queue, s.max_delay_ms / 1000)
             self.engine = engine
@@ -89,6 +90,16 @@ class ApiRequest(Request):
     converts leniently ("false" for false), writes a dict's key as `[...]` in its errors, and answers bytes
     that are not UTF-8 with a 500; the Struct returned here passes its conversion unchanged."""
 
+    async def body(self) -> bytes:
+        """The body, if it arrives within BODY_TIMEOUT_S: one that stops halfway would hold its connection
+        and a worker for as long as the client likes."""
+        try:
+            return await asyncio.wait_for(super().body(), BODY_TIMEOUT_S)
+        except TimeoutError:
+            raise ApiError(
+                "request_timeout", f"the body did not arrive within {BODY_TIMEOUT_S:g} s"
+            ) from None
+
     async def json(self) -> api.ScoreRequest:
         # Litestar stops reading past request_max_body_size (413)
         return decode(await self.body(), self.route_handler.parsed_data_field.annotation)
@@ -102,12 +113,14 @@ async def _refuse_empty_body(request: Request) -> None:
 
 def _authorize(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """A guard: it runs before the body is read."""
-    key = _server(connection).settings.api_key
-    if key is None:
-        return
-    given = connection.headers.get("authorization", "")
-    if given.removeprefix("Bearer ").strip() != key and connection.headers.get("x-api-key") != key:
+    if not connection.app.state.api_keys.admit(connection.headers):
         raise ApiError("invalid_api_key", "missing or wrong API key (Authorization: Bearer <key>)")
+
+
+def _metrics_behind_key(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    """An app-wide guard, there with Settings.metrics_auth: /metrics asks for the key as the API does."""
+    if "/metrics" in handler.paths:
+        _authorize(connection, handler)
 
 
 async def _score(request: Request, body: api.ScoreRequest) -> api.ScoreResponse:
@@ -119,20 +132,55 @@ async def _score(request: Request, body: api.ScoreRequest) -> api.ScoreResponse:
     try:
         future = server.runner.submit(plan)
     except QueueFull:
-        raise ApiError(
-            "concurrency_limit", "too many requests are waiting; retry shortly", retry_after=1
-        ) from None
-    response = await asyncio.wrap_future(future)
+        raise _queue_full(server.runner) from None
+    response = await _answer_unless_client_leaves(request, future)
     if body.model is not None:
         response.model = body.model
     server.metrics.scored(response)
     return response
 
 
-# What the two scoring routes share: the key checked first, then the body; every error documented.
+def _queue_full(runner: Runner) -> ApiError:
+    return ApiError(
+        "concurrency_limit", "too many requests are waiting; retry later", retry_after=runner.retry_after()
+    )
+
+
+def _queue_has_room(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """A guard: a full queue refuses before the body is read (submit checks again, for the race)."""
+    runner = _server(connection).runner
+    if runner is not None and runner.full:
+        raise _queue_full(runner)
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer: nothing to send (answered 499 for the logs)."""
+
+
+async def _answer_unless_client_leaves(request: Request, future: Future) -> api.ScoreResponse:
+    """The plan's response; if the client hangs up first, the plan is cancelled (the runner drops it unless
+    its pass has already started: abandoned work no longer delays everyone else) and ClientGone is raised."""
+
+    async def client_left():
+        # The body has been read, so the next ASGI message is http.disconnect: when the client hangs up,
+        # or after the response has been sent.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    answer, left = asyncio.wrap_future(future), asyncio.ensure_future(client_left())
+    await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
+    if answer.done():
+        left.cancel()
+        return answer.result()
+    future.cancel()
+    raise ClientGone
+
+
+# What the two scoring routes share: the key checked first, then the queue, then the body; every error
+# documented.
 SCORING_ROUTE = {
     "status_code": 200,
-    "guards": [_authorize],
+    "guards": [_authorize, _queue_has_room],
     "before_request": _refuse_empty_body,
     "responses": error_responses(),
 }
@@ -211,28 +259,54 @@ async def health(request: Request) -> Response[api.Health]:
         body.system_fingerprint = engine.fingerprint
         body.buckets = list(engine.buckets.sizes)
         body.limits = {**dataclasses.asdict(server.scorer.limits), "max_body_bytes": MAX_BODY}
+        stats = jax.devices()[0].memory_stats() or {}  # None on the CPU
+        body.memory = api.DeviceMemory(
+            needed_bytes=server.memory_needed,
+            in_use_bytes=stats.get("bytes_in_use"),
+            peak_bytes=stats.get("peak_bytes_in_use"),
+            limit_bytes=stats.get("bytes_limit"),
+        )
     return Response(body, status_code=200 if engine else 503)
 
 
-@get("/metrics", media_type="text/plain; version=0.0.4", summary="Prometheus metrics")
-async def metrics(request: Request) -> str:
-    server = _server(request)
-    return server.metrics.render(server.runner.depth if server.runner else 0)
+@get(
+    "/metrics", media_type=MediaType.TEXT, sync_to_thread=True, summary="Prometheus metrics (docs/metrics.md)"
+)
+def metrics(request: Request) -> Response[bytes]:
+    """Collected on a worker thread: the process and device collectors make system calls."""
+    body, content_type = _server(request).metrics.exposition(request.headers.get("accept", ""))
+    return Response(body, media_type=content_type)
 
 
-def _count_requests(app):
-    """ASGI middleware: count every HTTP response by path and status (errors included)."""
+def _count_requests(app: ASGIApp, metrics: Metrics) -> ASGIApp:
+    """ASGI middleware: count and time every HTTP request by route template and status, errors included. A
+    client that hangs up before the answer (its `receive` gave http.disconnect) counts as DISCONNECTED, not as
+    the 500 Litestar answers a body cut short with."""
 
     async def middleware(scope, receive, send):
         if scope["type"] != "http":
             return await app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500  # what the ASGI server answers if the app raises before it starts a response
+        disconnected = False
 
-        async def record(message):
+        async def watch_for_disconnect():
+            nonlocal disconnected
+            message = await receive()
+            disconnected |= message["type"] == "http.disconnect"
+            return message
+
+        async def record_status(message):
+            nonlocal status
             if message["type"] == "http.response.start":
-                scope["app"].state.server.metrics.request(scope["path"], message["status"])
+                status = message["status"]
             await send(message)
 
-        return await app(scope, receive, record)
+        try:
+            await app(scope, watch_for_disconnect, record_status)
+        finally:
+            path = scope.get("path_template", UNMATCHED)  # set by the router once a route matched
+            metrics.request(path, DISCONNECTED if disconnected else str(status), time.perf_counter() - start)
 
     return middleware
 
@@ -242,10 +316,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
     server = Server(settings)
     app = Litestar(
         route_handlers=[score, chat_completions, models, health, metrics],
+        guards=[_metrics_behind_key] if settings.metrics_auth else [],
         request_class=ApiRequest,
-        exception_handlers=EXCEPTION_HANDLERS,
+        exception_handlers={**EXCEPTION_HANDLERS, ClientGone: lambda *_: Response(b"", status_code=499)},
         request_max_body_size=MAX_BODY,
-        middleware=[_count_requests],
         openapi_config=OpenAPIConfig(
             title="spinf-jax scoring API", version=version("spinf-jax"), path="/schema"
         ),
@@ -253,4 +327,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
         on_shutdown=[lambda: server.runner and server.runner.close()],
     )
     app.state.server = server
+    app.state.api_keys = ApiKeys(settings.api_keys)
+    # Litestar's middleware runs after routing and would miss 404s and 405s: wrap the whole handler instead,
+    # as Litestar does itself for OpenTelemetry.
+    app.asgi_handler = _count_requests(app.asgi_handler, server.metrics)
     return app

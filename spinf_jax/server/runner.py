@@ -1,17 +1,26 @@
 """One thread owns the device. It gathers the trees of concurrent requests into shared passes: a request
 waits for company at most `max_delay` seconds, or until the pending trees fill the largest bucket. Scores do
-not depend on what shares a pass (see packer), so batching never changes an answer."""
+not depend on what shares a pass (see packer), so batching never changes an answer.
 
+It also knows how long the queue will take (tokens waiting over the tokens per second it measured), which is
+what a full queue tells clients to wait (Retry-After), and it drops the requests whose clients left."""
+
+import math
 import queue
 import threading
 import time
 from concurrent.futures import Future
 
+from spinf_jax.errors import ScoringError
 from spinf_jax.scoring import Plan, Scorer
 
 
 class QueueFull(Exception):
     pass
+
+
+def _tokens(plan: Plan) -> int:
+    return sum(len(t) for t in plan.trees)
 
 
 class Runner:
@@ -21,7 +30,10 @@ class Runner:
         self.max_queue = max_queue
         self.max_delay = max_delay
         self._queue: queue.Queue[tuple[Plan, Future] | None] = queue.Queue()
-        self._pending = 0
+        self._pending = 0  # requests queued, not yet gathered into a pass
+        self._tokens_left = 0  # tokens of every request accepted and not yet answered
+        self._tokens_per_second: float | None = None  # measured over recent passes
+        self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="spinf-engine", daemon=True)
         self._thread.start()
@@ -30,21 +42,48 @@ class Runner:
     def depth(self) -> int:
         return self._pending
 
-    def submit(self, plan: Plan) -> Future:
+    @property
+    def full(self) -> bool:
+        return self._pending >= self.max_queue
+
+    def retry_after(self) -> int:
+        """Whole seconds until what is accepted now has been scored, at the rate measured (1 before any
+        measurement): what a client refused for a full queue should wait."""
         with self._lock:
+            tokens, rate = self._tokens_left, self._tokens_per_second
+        return max(1, math.ceil(tokens / rate)) if rate else 1
+
+    def submit(self, plan: Plan) -> Future:
+        """Queue a plan; its future gets the response. Cancel the future to drop the plan (a client that
+        left): the runner skips it unless its pass has started."""
+        with self._lock:
+            if self._closed:
+                raise ScoringError("shutting_down", "the server is stopping; retry shortly")
             if self._pending >= self.max_queue:
                 raise QueueFull
             self._pending += 1
+            self._tokens_left += _tokens(plan)
         future: Future = Future()
         self._queue.put((plan, future))
         return future
 
     def close(self) -> None:
+        """Stop after the queued work: what was accepted is answered (or fails with shutting_down if the
+        engine thread does not finish in time); nothing is left waiting forever."""
+        with self._lock:
+            self._closed = True
         self._queue.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=60)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[1].set_exception(ScoringError("shutting_down", "the server is stopping; retry shortly"))
 
     def _gather(self, first: tuple[Plan, Future]) -> list[tuple[Plan, Future]]:
-        batch, tokens = [first], sum(len(t) for t in first[0].trees)
+        batch, tokens = [first], _tokens(first[0])
         deadline = time.monotonic() + self.max_delay
         while tokens < self.engine.buckets.largest:
             try:
@@ -55,26 +94,46 @@ class Runner:
                 self._queue.put(None)  # let the loop see the stop after this batch
                 break
             batch.append(item)
-            tokens += sum(len(t) for t in item[0].trees)
+            tokens += _tokens(item[0])
         return batch
 
     def _loop(self) -> None:
         while (first := self._queue.get()) is not None:
             batch = self._gather(first)
+            # A cancelled future is a client that left while queued: its plan is dropped here.
+            live = [(plan, future) for plan, future in batch if future.set_running_or_notify_cancel()]
             with self._lock:
                 self._pending -= len(batch)
-            trees = [tree for plan, _ in batch for tree in plan.trees]
+                self._tokens_left -= sum(_tokens(plan) for plan, future in batch if future.cancelled())
+            if live:
+                self._score(live)
+
+    def _score(self, batch: list[tuple[Plan, Future]]) -> None:
+        trees = [tree for plan, _ in batch for tree in plan.trees]
+        tokens = sum(len(t) for t in trees)
+        start = time.perf_counter()
+        try:
+            scored = self.engine.score_trees(trees)
+        except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
+            for _, future in batch:
+                future.set_exception(exc)
+            return
+        finally:
+            self._measured(tokens, time.perf_counter() - start)
+        start = 0
+        for plan, future in batch:
+            mine = scored[start : start + len(plan.trees)]
+            start += len(plan.trees)
             try:
-                scored = self.engine.score_trees(trees)
-            except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
-                for _, future in batch:
-                    future.set_exception(exc)
-                continue
-            start = 0
-            for plan, future in batch:
-                mine = scored[start : start + len(plan.trees)]
-                start += len(plan.trees)
-                try:
-                    future.set_result(self.scorer.finish(plan, mine))
-                except Exception as exc:  # noqa: BLE001
-                    future.set_exception(exc)
+                future.set_result(self.scorer.finish(plan, mine))
+            except Exception as exc:  # noqa: BLE001
+                future.set_exception(exc)
+
+    def _measured(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self._tokens_left -= tokens
+            rate = tokens / max(seconds, 1e-6)
+            # A moving average over the last few batches: one slow first pass (compilation) or one tiny batch
+            # should not set the estimate alone.
+            old = self._tokens_per_second
+            self._tokens_per_second = rate if old is None else 0.7 * old + 0.3 * rate

@@ -1,0 +1,218 @@
+"""The server's settings, and `spinf-jax serve`'s flags read into them with every check that can run before a
+model is loaded (docs/configuration.md).
+
+The server fails closed: read_flags reports every problem at once, one line each naming the flag and what is
+wrong, and `serve` starts nothing while there is one; `serve --check` stops after the checks. create_app takes
+a Settings as it is given: tests build edge cases (a queue of 0) on purpose.
+"""
+
+import argparse
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+
+from spinf_jax.loader import BUILTIN_MODELS, DEFAULT_MODEL, default_row_tile
+from spinf_jax.packer import Buckets
+
+PRECISIONS = ("bf16", "fp8", "int8", "fp32")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+KEY_VARIABLE = "SPINF_API_KEY"
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str
+    precision: str = "bf16"
+    buckets: tuple[int, ...] | None = None  # None: by backend (packer.default_sizes)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key asked; never in a repr (logs)
+    metrics_auth: bool = False  # /metrics asks for a key too
+    max_queue: int = 64
+    max_delay_ms: float = 5.0
+    served_names: tuple[str, ...] = ()  # extra names the model answers to (e.g. the hosted service's)
+    # The weights and the largest pass must fit in this (checked once compiled: the server refuses to serve
+    # otherwise); on GPUs the allocator is held to it too.
+    device_memory_cap_gib: float | None = None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The settings, and what the process needs besides to serve them."""
+
+    settings: Settings
+    host: str
+    port: int
+    log_level: str
+    compile_cache: Path | None  # None: compiled programs are not kept across restarts
+
+    def summary(self) -> str:
+        """What will be served, in one line; it tells how many keys there are, never what they are."""
+        s, cap = self.settings, self.settings.device_memory_cap_gib
+        keys = f"{len(s.api_keys)} API key(s)" if s.api_keys else "no API key"
+        return (
+            f"{s.model} ({s.precision}) on {self.host}:{self.port}; {keys}, /metrics "
+            f"{'behind the key' if s.metrics_auth else 'open'}; buckets {s.buckets or 'by backend'}; "
+            f"queue {s.max_queue}, delay {s.max_delay_ms:g} ms; device memory "
+            f"{f'at most {cap:g} GiB' if cap else 'uncapped'}"
+        )
+
+
+class SettingsError(Exception):
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
+    """`serve`'s flags (as strings: a number that is not one is a problem to report with the others) and the
+    environment → a Launch, or SettingsError with every problem found."""
+    problems: list[str] = []
+    model = args.model or DEFAULT_MODEL
+    if problem := _model_problem(model):
+        problems.append(f"MODEL {model!r}: {problem}")
+    if args.precision not in PRECISIONS:
+        problems.append(f"--precision: {args.precision!r} is not one of {', '.join(PRECISIONS)}")
+    keys = _api_keys(args, environ, problems)
+    if args.metrics_auth and not keys:
+        problems.append(
+            f"--metrics-auth: there is no key to ask for (--api-key, --api-key-file, ${KEY_VARIABLE})"
+        )
+    max_queue = _whole("--max-queue", args.max_queue, problems, low=1)
+    max_delay_ms = _number("--max-delay-ms", args.max_delay_ms, problems, "milliseconds", zero=True)
+    cap = args.device_memory_cap
+    cap_gib = None if cap is None else _number("--device-memory-cap", cap, problems, "GiB", zero=False)
+    buckets = None if args.buckets is None else _buckets(args.buckets, problems)
+    if any(not name.strip() for name in args.served_model_name):
+        problems.append("--served-model-name: a name is empty")
+    if not args.host.strip():
+        problems.append("--host: is empty")
+    port = _whole("--port", args.port, problems, low=1, high=65535)
+    if args.log_level.lower() not in LOG_LEVELS:
+        problems.append(f"--log-level: {args.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    cache = None if args.compile_cache == "none" else Path(args.compile_cache).expanduser()
+    if cache is not None and cache.exists() and not cache.is_dir():
+        problems.append(f"--compile-cache: {str(cache)!r} is not a folder")
+    if problems:
+        raise SettingsError(problems)
+    settings = Settings(
+        model=model,
+        precision=args.precision,
+        buckets=buckets,
+        api_keys=keys,
+        metrics_auth=args.metrics_auth,
+        max_queue=max_queue,
+        max_delay_ms=max_delay_ms,
+        served_names=tuple(args.served_model_name),
+        device_memory_cap_gib=cap_gib,
+    )
+    return Launch(settings, args.host, port, args.log_level.lower(), cache)
+
+
+def _model_problem(spec: str) -> str | None:
+    """What is wrong with a model named on the command line, as far as can be told without loading it: a
+    local checkpoint must exist and look like one; a built-in name or a Hub id is checked when it loads."""
+    if spec in BUILTIN_MODELS:
+        return None
+    path = Path(spec).expanduser()
+    if not path.exists():
+        looks_like_hub_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+        return None if looks_like_hub_id else "no such file or folder, and not a built-in name or a Hub id"
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            return "a folder without config.json or a single .gguf file"
+        path = ggufs[0]
+    try:
+        if path.is_dir():
+            json.loads((path / "config.json").read_text())
+            return None
+        with path.open("rb") as file:
+            magic = file.read(4)
+    except (OSError, ValueError) as exc:  # ValueError: config.json is not JSON (nor UTF-8)
+        return f"cannot be read: {exc}"
+    return None if path.suffix == ".gguf" and magic == b"GGUF" else f"{path.name} is not a GGUF file"
+
+
+def _api_keys(args: argparse.Namespace, environ: Mapping[str, str], problems: list[str]) -> tuple[str, ...]:
+    """Every --api-key and the keys of every --api-key-file; $SPINF_API_KEY only when neither is given. A
+    problem names where the key came from, never the key."""
+    found = [(f"--api-key (#{i})", key) for i, key in enumerate(args.api_key, 1)]
+    for path in args.api_key_file:
+        found += _key_file(path, problems)
+    if not (args.api_key or args.api_key_file) and KEY_VARIABLE in environ:  # set but empty: refused below
+        found.append((f"${KEY_VARIABLE}", environ[KEY_VARIABLE]))
+    for where, key in found:
+        if not key:
+            problems.append(f"{where}: the key is empty")
+        elif not all("!" <= c <= "~" for c in key):
+            problems.append(
+                f"{where}: the key has a character that is not visible ASCII (a space, a control)"
+            )
+    return tuple(dict.fromkeys(key for _, key in found))
+
+
+def _key_file(path: str, problems: list[str]) -> list[tuple[str, str]]:
+    """One key a line; blank lines and lines that start with # are skipped."""
+    flag = f"--api-key-file {path!r}"
+    try:
+        lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(f"{flag}: cannot be read: {exc}")
+        return []
+    keys = [
+        (f"{flag} line {n}", line.strip())
+        for n, line in enumerate(lines, 1)
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    if not keys:
+        problems.append(f"{flag}: holds no key (one a line; blank lines and # comments are skipped)")
+    return keys
+
+
+def _whole(flag: str, text: str, problems: list[str], low: int, high: int | None = None) -> int | None:
+    try:
+        value = int(text)
+    except ValueError:
+        problems.append(f"{flag}: {text!r} is not a whole number")
+        return None
+    if value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+        problems.append(f"{flag}: must be {bounds}, not {value}")
+    return value
+
+
+def _number(flag: str, text: str, problems: list[str], unit: str, *, zero: bool) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        problems.append(f"{flag}: {text!r} is not a number")
+        return None
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        problems.append(
+            f"{flag}: must be a number of {unit}, {'0 or more' if zero else 'above 0'}, not {text!r}"
+        )
+    return value
+
+
+def _buckets(text: str, problems: list[str]) -> tuple[int, ...] | None:
+    try:
+        sizes = tuple(int(size) for size in text.split(","))
+    except ValueError:
+        problems.append(f"--buckets: {text!r} is not a comma-separated list of whole numbers")
+        return None
+    try:
+        Buckets(sizes)  # ascending multiples of the block and of the read chunk, none too small
+    except ValueError as exc:
+        problems.append(f"--buckets: {exc}")
+        return None
+    # Engine.__init__ refuses the same when the model loads: its row tile is known per backend before that.
+    tile = default_row_tile()
+    if any(size % tile or size < 2 * tile for size in sizes):
+        problems.append(
+            f"--buckets: on the {jax.default_backend()} backend rows run in tiles of {tile}: every size must "
+            f"be a multiple of {tile} and at least {2 * tile}"
+        )
+    return sizes

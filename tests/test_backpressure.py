@@ -1,0 +1,209 @@
+"""Honest back-pressure: Retry-After from the queue's own measured rate, a full queue refused before the
+body is read, abandoned requests dropped before their pass, and shutdown that answers what it accepted."""
+
+import asyncio
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import uvicorn
+from litestar.testing import TestClient
+
+from spinf_jax.errors import ScoringError
+from spinf_jax.server import app as app_module
+from spinf_jax.server import protocol
+from spinf_jax.server.app import Settings, create_app
+from spinf_jax.server.runner import Runner
+
+BODY = {
+    "messages": [{"content": "Hello there."}],
+    "scoring": {"queries": [{"id": "q", "template": "\n\nAnswer:{?}", "options": [" yes", " no"]}]},
+}
+
+
+class SlowEngine:
+    """Scores at 1,000 tokens per second once `gate` is open, and remembers what it scored."""
+
+    def __init__(self):
+        self.buckets = SimpleNamespace(largest=10**9)
+        self.gate = threading.Event()
+        self.scored: list[list] = []
+
+    def score_trees(self, trees):
+        self.gate.wait()
+        time.sleep(sum(len(t) for t in trees) / 1000)
+        self.scored.append(trees)
+        return [len(t) for t in trees]
+
+
+def _runner(max_queue=8) -> tuple[Runner, SlowEngine]:
+    engine = SlowEngine()
+    scorer = SimpleNamespace(engine=engine, finish=lambda plan, scored: scored)
+    return Runner(scorer, max_queue=max_queue, max_delay=0.0), engine
+
+
+def _plan(tokens: int):
+    return SimpleNamespace(trees=[[0] * tokens])
+
+
+def test_retry_after_is_the_queue_over_the_measured_rate():
+    runner, engine = _runner()
+    assert runner.retry_after() == 1  # nothing measured yet
+    engine.gate.set()
+    runner.submit(_plan(200)).result(timeout=10)  # measures ~1,000 tokens/s
+    engine.gate.clear()
+    futures = [runner.submit(_plan(1000)) for _ in range(6)]  # 6,000 tokens: about 6 s of work
+    assert 4 <= runner.retry_after() <= 8
+    engine.gate.set()
+    for f in futures:
+        f.result(timeout=30)
+    assert runner.retry_after() == 1  # nothing left
+
+
+def test_a_cancelled_request_is_dropped_before_its_pass():
+    runner, engine = _runner()
+    first = runner.submit(_plan(10))  # the engine thread takes it and waits at the gate
+    time.sleep(0.2)
+    left, stays = runner.submit(_plan(20)), runner.submit(_plan(30))
+    assert left.cancel()  # its client hung up while it was queued
+    engine.gate.set()
+    assert first.result(timeout=10) == [10] and stays.result(timeout=10) == [30]
+    assert [len(t) for batch in engine.scored for t in batch] == [10, 30]
+    assert runner.retry_after() == 1 and runner.depth == 0
+
+
+def test_shutdown_answers_what_was_accepted():
+    runner, engine = _runner()
+    futures = [runner.submit(_plan(10)) for _ in range(3)]
+    engine.gate.set()
+    runner.close()
+    assert [f.result(timeout=1) for f in futures] == [[10]] * 3
+
+
+def test_shutdown_fails_what_it_cannot_finish(monkeypatch):
+    runner, engine = _runner()
+    runner.submit(_plan(10))  # holds the engine thread at the gate
+    time.sleep(0.2)
+    waiting = runner.submit(_plan(10))
+    monkeypatch.setattr(runner._thread, "join", lambda timeout: None)  # the thread does not finish in time
+    runner.close()
+    with pytest.raises(ScoringError) as e:
+        waiting.result(timeout=1)
+    assert e.value.code == "shutting_down" and e.value.status == 503
+    engine.gate.set()
+
+
+async def _post(app, messages: list[dict]) -> list[dict]:
+    """POST /v1/score over raw ASGI: the client sends `messages`, then nothing more; returns what the app
+    sent back."""
+    sent = []
+
+    async def receive():
+        return messages.pop(0) if messages else await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/score", "raw_path": b"/v1/score", "query_string": b"",
+        "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80),
+        "root_path": "", "app": app, "state": {},
+    }  # fmt: skip
+    await app(scope, receive, send)
+    return sent
+
+
+def test_a_body_that_stops_halfway_times_out(gemma_engine, monkeypatch):
+    monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 0.5)
+    app = create_app(Settings("spinf/gemma-3-270m"), gemma_engine)
+    with TestClient(app):
+        half = {"type": "http.request", "body": b'{"messages": [', "more_body": True}
+        start = time.monotonic()
+        sent = asyncio.run(_post(app, [half]))
+        assert 0.5 <= time.monotonic() - start < 5
+        assert sent[0]["status"] == 408
+        assert msgspec.json.decode(sent[1]["body"])["error"]["code"] == "request_timeout"
+
+
+def test_a_full_queue_refuses_before_reading_the_body(gemma_engine):
+    app = create_app(Settings("spinf/gemma-3-270m", max_queue=1), gemma_engine)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 300
+        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        runner = app.state.server.runner
+        runner._pending = 1  # the queue is full
+        try:
+            # The body is not even JSON: a 429 shows it was never read.
+            response = client.post("/v1/score", content=b"{not json")
+            assert response.status_code == 429
+            assert response.json()["error"]["code"] == "concurrency_limit"
+            assert int(response.headers["retry-after"]) >= 1
+        finally:
+            runner._pending = 0
+        assert client.post("/v1/score", json=BODY).status_code == 200
+
+
+def test_a_client_that_leaves_is_not_scored(gemma_engine, monkeypatch):
+    """Over ASGI: the body arrives, then the client hangs up while the engine is busy; its plan is dropped
+    before the pass and the engine never scores it."""
+    app = create_app(Settings("spinf/gemma-3-270m"), gemma_engine)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 300
+        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        runner = app.state.server.runner
+        gate, scored = threading.Event(), []
+        real = runner.engine.score_trees
+
+        def gated(trees):
+            gate.wait()
+            scored.append(len(trees))
+            return real(trees)
+
+        monkeypatch.setattr(runner.engine, "score_trees", gated)
+        busy = threading.Thread(target=lambda: client.post("/v1/score", json=BODY))
+        busy.start()  # holds the engine thread at the gate
+        time.sleep(0.5)
+
+        body = {"type": "http.request", "body": msgspec.json.encode(BODY), "more_body": False}
+        sent = asyncio.run(_post(app, [body, {"type": "http.disconnect"}]))
+        assert sent[0]["status"] == 499
+        assert runner.depth == 1  # still queued (cancelled): the runner drops it when it gets to it
+        gate.set()
+        busy.join(timeout=60)
+        time.sleep(0.5)
+        assert scored == [1]  # only the busy request's tree: the abandoned one never reached a pass
+        assert runner.depth == 0
+
+
+def test_headers_that_never_finish_lose_their_connection(gemma_engine, monkeypatch):
+    monkeypatch.setattr(protocol, "HEADER_TIMEOUT_S", 0.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = protocol.uvicorn_config(
+        create_app(Settings("spinf/gemma-3-270m"), gemma_engine), "127.0.0.1", port
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            start = time.monotonic()
+            assert slow.recv(1024) == b""  # closed by the server
+            assert 0.4 <= time.monotonic() - start < 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as prompt:  # others are served
+            prompt.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert prompt.recv(1024).startswith(b"HTTP/1.1 ")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

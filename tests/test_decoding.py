@@ -1,0 +1,123 @@
+"""What JSON cannot carry is invalid_json, never a 500 (issue 13): nesting past MAX_DEPTH, NaN and Infinity,
+numbers out of range, bytes that are not UTF-8. The library refuses the same in Python objects."""
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from litestar.testing import TestClient
+
+from spinf_jax import api
+from spinf_jax.decoding import MAX_DEPTH, convert, decode
+from spinf_jax.errors import ScoringError
+from spinf_jax.server.app import Settings, create_app
+
+
+@pytest.fixture(scope="module")
+def client():
+    """No model: each body here is refused before one is needed (outside a `with` block, none loads)."""
+    return TestClient(create_app(Settings("spinf/gemma-3-270m")))
+
+
+def _nested(depth: int, inner: bytes = b"1") -> bytes:
+    return b"[" * depth + inner + b"]" * depth
+
+
+def _with_field(value: bytes) -> bytes:
+    """A body whose scoring.empty_floor is `value`, written as it is."""
+    return b'{"messages": [{"content": "Hello."}], "scoring": {"empty_floor": ' + value + b"}}"
+
+
+NOT_JSON = {
+    "one level past the limit": _nested(MAX_DEPTH + 1),
+    "the tester's 1,495 brackets": b"[" * 1_495,
+    "100,000 nested objects": b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    "deep inside a valid body": _with_field(_nested(MAX_DEPTH)),
+    "NaN": _with_field(b"NaN"),
+    "Infinity": _with_field(b"Infinity"),
+    "-Infinity": _with_field(b"-Infinity"),
+    "a float past the range": _with_field(b"1e999"),
+    "a negative float past the range": _with_field(b"-1.8e308"),
+    "an integer of 5,000 digits": _with_field(b"9" * 5_000),  # Python's limit is 4,300
+    "not UTF-8": b'{"messages": [{"content": "\xc3\x28"}]}',
+}
+
+
+@pytest.mark.parametrize("body", NOT_JSON.values(), ids=NOT_JSON.keys())
+@pytest.mark.parametrize("path", ["/v1/score", "/v1/chat/completions"])
+def test_what_json_cannot_carry_is_invalid_json(client, path, body):
+    response = client.post(path, content=body)
+    assert (response.status_code, response.json()["error"]["code"]) == (400, "invalid_json"), response.text
+
+
+def test_nesting_up_to_the_limit_decodes_and_brackets_in_strings_do_not_count(client):
+    at_the_limit = client.post("/v1/score", content=_nested(MAX_DEPTH - 1, b"[]"))
+    assert at_the_limit.json()["error"]["code"] == "invalid_request"  # decoded: an array is not a request
+    text = "[{" * 10_000 + '\\"]}'
+    answer = client.post("/v1/chat/completions", json={"messages": [{"content": text}]})
+    assert answer.json()["error"]["code"] == "scoring_required"  # decoded and converted
+
+
+BRACKETY = st.text(alphabet='[]{}"\\, :ab\n', max_size=6)
+json_values = st.recursive(
+    st.none() | st.integers(-(2**63), 2**63 - 1) | BRACKETY,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(BRACKETY, inner, max_size=3),
+    max_leaves=12,
+)
+
+
+def _depth(value) -> int:
+    if isinstance(value, dict | list):
+        children = value.values() if isinstance(value, dict) else value
+        return 1 + max(map(_depth, children), default=0)
+    return 0
+
+
+@given(value=json_values, past=st.booleans(), ascii_only=st.booleans())
+def test_the_limit_counts_arrays_and_objects_and_nothing_in_strings(value, past, ascii_only):
+    """Strings full of brackets, quotes and backslashes, wrapped to end at the limit or one past it."""
+    for _ in range(MAX_DEPTH + past - _depth(value)):
+        value = [value]
+    body = json.dumps(value, ensure_ascii=ascii_only).encode()
+    if past:
+        with pytest.raises(ScoringError) as e:
+            decode(body, Any)
+        assert e.value.code == "invalid_json"
+    else:
+        assert decode(body, Any) == value
+
+
+def _loop() -> list:
+    loop = []
+    loop.append(loop)
+    return loop
+
+
+def _deep(depth: int):
+    value = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+LIBRARY = [
+    ({"messages": [{"content": "x", "extra": float("nan")}]}, "messages[0].extra", "not a finite number"),
+    ({"messages": [{"content": "x"}], "x": float("-inf")}, "x", "not a finite number"),
+    ({"messages": [{"content": "x", "\ud800": 1}]}, "messages[0].\ud800", "not valid Unicode text"),
+    (
+        {"messages": [{"content": "x"}], "x": _deep(MAX_DEPTH)},
+        "x" + "[0]" * (MAX_DEPTH - 1),
+        "deeper than 64",
+    ),
+    ({"messages": _loop()}, "messages" + "[0]" * (MAX_DEPTH - 1), "deeper than 64"),
+]
+
+
+@pytest.mark.parametrize("body, param, message", LIBRARY)
+def test_the_library_refuses_the_same_in_python_objects(body, param, message):
+    with pytest.raises(ScoringError) as e:
+        convert(body, api.ScoreRequest)
+    assert (e.value.code, e.value.param) == ("invalid_request", param)
+    assert message in e.value.message

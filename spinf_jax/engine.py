@@ -79,12 +79,7 @@ class Engine:
     ):
         self.model = model
         self.buckets = buckets = buckets or Buckets()
-        tile = model.row_tile
-        if tile and any(s % tile or s < 2 * tile for s in buckets.sizes):
-            # XLA inlines a loop that runs once, and inlined code rounds differently from the loop body.
-            raise ValueError(
-                f"with {tile}-row tiles every bucket must be a multiple of {tile} and at least {2 * tile}"
-            )
+        buckets.check_row_tile(model.row_tile)
         self.fingerprint = (
             "fp_"
             + hashlib.sha256(

@@ -38,6 +38,13 @@ class Buckets:
         if self.sizes[0] < MIN_BUCKET:
             raise ValueError(f"the smallest bucket is {MIN_BUCKET} tokens")
 
+    def check_row_tile(self, tile: int | None) -> None:
+        """With row tiles (models.layers.by_rows), every bucket must hold at least two whole tiles: XLA
+        inlines a loop that runs once, and inlined code rounds differently from the loop body."""
+        if tile and any(s % tile or s < 2 * tile for s in self.sizes):
+            least = f"a multiple of {tile} and at least {2 * tile}"
+            raise ValueError(f"rows run in tiles of {tile}: every bucket must be {least}")
+
     def max_reads(self, size: int) -> int:
         # Each read costs a full-vocabulary log-softmax; typical trees read once per ~20 tokens. Reads run in
         # chunks of READ_CHUNK rows, the same GEMM shape in every bucket, so a row's result never depends on

@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jax
-
 from spinf_jax.loader import BUILTIN_MODELS, DEFAULT_MODEL, default_row_tile
 from spinf_jax.packer import Buckets
 
@@ -204,15 +202,10 @@ def _buckets(text: str, problems: list[str]) -> tuple[int, ...] | None:
         problems.append(f"--buckets: {text!r} is not a comma-separated list of whole numbers")
         return None
     try:
-        Buckets(sizes)  # ascending multiples of the block and of the read chunk, none too small
+        # Ascending multiples of the block and of the read chunk, none too small, whole row tiles: what the
+        # engine checks once the model is loaded, and the backend's row tile is known before that.
+        Buckets(sizes).check_row_tile(default_row_tile())
     except ValueError as exc:
         problems.append(f"--buckets: {exc}")
         return None
-    # Engine.__init__ refuses the same when the model loads: its row tile is known per backend before that.
-    tile = default_row_tile()
-    if any(size % tile or size < 2 * tile for size in sizes):
-        problems.append(
-            f"--buckets: on the {jax.default_backend()} backend rows run in tiles of {tile}: every size must "
-            f"be a multiple of {tile} and at least {2 * tile}"
-        )
     return sizes

@@ -50,6 +50,17 @@ def test_admitted(client, headers):
 def test_refused(client, headers):
     response = client.get("/v1/models", headers=headers)
     assert (response.status_code, response.json()["error"]["code"]) == (401, "invalid_api_key")
+    assert response.headers["www-authenticate"] == 'Bearer realm="spinf"'
+
+
+def test_the_schema_says_how_a_key_is_sent(client):
+    doc = client.get("/schema/openapi.json").json()
+    schemes = doc["components"]["securitySchemes"]
+    assert (schemes["bearer"]["type"], schemes["bearer"]["scheme"]) == ("http", "bearer")
+    assert schemes["x_api_key"] == {"type": "apiKey", "name": "x-api-key", "in": "header"}
+    for path, method in [("/v1/score", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get")]:
+        assert {"bearer": []} in doc["paths"][path][method]["security"]
+    assert "security" not in doc["paths"]["/health"]["get"]
 
 
 def test_a_refusal_does_not_echo_the_key(client):

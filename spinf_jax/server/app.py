@@ -15,6 +15,7 @@ from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig, ResponseSpec
+from litestar.openapi.spec import Components, SecurityScheme
 from litestar.params import JSONBody
 from litestar.types import ASGIApp
 
@@ -31,6 +32,13 @@ from spinf_jax.server.runner import QueueFull, Runner
 from spinf_jax.server.settings import Settings
 
 MAX_BODY = 2 * 1024 * 1024
+# How a key is sent (server/auth.py), for the OpenAPI document; routes that take one list KEYED (the key is
+# asked only when the server has one).
+SECURITY_SCHEMES = {
+    "bearer": SecurityScheme(type="http", scheme="bearer", description="Authorization: Bearer <key>"),
+    "x_api_key": SecurityScheme(type="apiKey", name="x-api-key", security_scheme_in="header"),
+}
+KEYED = [{"bearer": []}, {"x_api_key": []}, {}]
 BODY_TIMEOUT_S = 30.0  # from the first byte of the body to the last
 
 
@@ -181,6 +189,7 @@ async def _answer_unless_client_leaves(request: Request, future: Future) -> api.
 SCORING_ROUTE = {
     "status_code": 200,
     "guards": [_authorize, _queue_has_room],
+    "security": KEYED,
     "before_request": _refuse_empty_body,
     "responses": error_responses(),
 }
@@ -224,7 +233,13 @@ async def chat_completions(request: Request, data: JSONBody[api.ChatCompletionRe
     )
 
 
-@get("/v1/models", guards=[_authorize], responses=error_responses(401), summary="The served model(s)")
+@get(
+    "/v1/models",
+    guards=[_authorize],
+    security=KEYED,
+    responses=error_responses(401),
+    summary="The served model(s)",
+)
 async def models(request: Request) -> api.ModelList:
     server = _server(request)
     created = server.ready_at or int(time.time())
@@ -321,7 +336,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
         exception_handlers={**EXCEPTION_HANDLERS, ClientGone: lambda *_: Response(b"", status_code=499)},
         request_max_body_size=MAX_BODY,
         openapi_config=OpenAPIConfig(
-            title="spinf-jax scoring API", version=version("spinf-jax"), path="/schema"
+            title="spinf-jax scoring API",
+            version=version("spinf-jax"),
+            path="/schema",
+            components=Components(security_schemes=SECURITY_SCHEMES),
         ),
         on_startup=[lambda: server.start(engine)],
         on_shutdown=[lambda: server.runner and server.runner.close()],

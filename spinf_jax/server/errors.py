@@ -43,6 +43,9 @@ def envelope(
     headers = {"x-request-id": request_id(request)}
     if retry_after is not None:
         headers["retry-after"] = str(retry_after)
+    if status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
+        headers["www-authenticate"] = 'Bearer realm="spinf"'
+
     error = api.ErrorDetail(type=_TYPES.get(status, "server_error"), code=code, message=message, param=param)
     return Response(
         api.ErrorEnvelope(error=error, request_id=request_id(request)), status_code=status, headers=headers

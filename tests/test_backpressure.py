@@ -17,6 +17,7 @@ from spinf_jax.server import app as app_module
 from spinf_jax.server import protocol
 from spinf_jax.server.app import Settings, create_app
 from spinf_jax.server.runner import Runner
+from tests.serving import loaded
 
 BODY = {
     "messages": [{"content": "Hello there."}],
@@ -132,9 +133,7 @@ def test_a_body_that_stops_halfway_times_out(gemma_engine, monkeypatch):
 def test_a_full_queue_refuses_before_reading_the_body(gemma_engine):
     app = create_app(Settings("spinf/gemma-3-270m", max_queue=1), gemma_engine)
     with TestClient(app) as client:
-        deadline = time.monotonic() + 300
-        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert loaded(client)["status"] == "ok"
         runner = app.state.server.runner
         runner._pending = 1  # the queue is full
         try:
@@ -153,9 +152,7 @@ def test_a_client_that_leaves_is_not_scored(gemma_engine, monkeypatch):
     before the pass and the engine never scores it."""
     app = create_app(Settings("spinf/gemma-3-270m"), gemma_engine)
     with TestClient(app) as client:
-        deadline = time.monotonic() + 300
-        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert loaded(client)["status"] == "ok"
         runner = app.state.server.runner
         gate, scored = threading.Event(), []
         real = runner.engine.score_trees

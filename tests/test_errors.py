@@ -2,7 +2,6 @@
 
 import ast
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from spinf_jax.scoring import Scorer
 from spinf_jax.server import app as app_module
 from spinf_jax.server.app import Server, Settings, create_app
 from spinf_jax.server.runner import Runner
+from tests.serving import loaded
 
 REPO = Path(__file__).resolve().parent.parent
 # Where a code is the n-th positional argument of a call, and helpers that stand for one code.
@@ -124,9 +124,7 @@ def client(gemma_engine):
     app = create_app(Settings("spinf/gemma-3-270m", api_keys=("sekret",), max_queue=1), gemma_engine)
     with TestClient(app) as client:
         client.headers["authorization"] = "Bearer sekret"
-        deadline = time.monotonic() + 300
-        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert loaded(client)["status"] == "ok"
         yield client
 
 

@@ -12,7 +12,6 @@ its trees are built, the step before the queue. Then a dozen valid requests are 
 import copy
 import dataclasses
 import json
-import time
 
 import msgspec
 import pytest
@@ -24,6 +23,7 @@ from spinf_jax import api
 from spinf_jax.decoding import MAX_DEPTH
 from spinf_jax.errors import CODES
 from spinf_jax.server.app import Settings, create_app
+from tests.serving import loaded
 from tests.spec_example import QUERY_POOL
 
 MODEL = "spinf/gemma-3-270m"
@@ -40,10 +40,7 @@ FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 @pytest.fixture(scope="module")
 def client(gemma_engine):
     with TestClient(create_app(Settings(MODEL), gemma_engine)) as client:
-        deadline = time.monotonic() + 300
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/health").text
-            time.sleep(0.2)
+        assert loaded(client)["status"] == "ok"
         yield client
 
 

@@ -3,7 +3,6 @@ one past it is refused with the limit's own code and the field that broke it. An
 limit is served on this backend's default buckets."""
 
 import dataclasses
-import time
 
 import pytest
 from litestar.testing import TestClient
@@ -16,6 +15,7 @@ from spinf_jax.errors import ScoringError
 from spinf_jax.packer import Buckets, default_sizes
 from spinf_jax.scoring import Scorer
 from spinf_jax.server.app import MAX_BODY, Settings, create_app
+from tests.serving import loaded
 
 LIMITS = Limits()
 YES_NO = {"id": "q", "template": "\n\nAnswer:{?}", "options": [" yes", " no"]}
@@ -121,9 +121,7 @@ def _edges(tok) -> dict:
 def client(gemma_engine):
     app = create_app(Settings("spinf/gemma-3-270m"), gemma_engine)
     with TestClient(app) as client:
-        deadline = time.monotonic() + 300
-        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert loaded(client)["status"] == "ok"
         yield client
 
 

@@ -2,7 +2,6 @@
 request alone."""
 
 import os
-import time
 from types import SimpleNamespace
 
 import jax
@@ -11,6 +10,7 @@ from litestar.testing import TestClient
 from spinf_jax.models.params import nbytes
 from spinf_jax.server import memory
 from spinf_jax.server.app import Settings, create_app
+from tests.serving import loaded
 
 BODY = {
     "messages": [{"content": "Hello there."}],
@@ -29,9 +29,7 @@ def test_device_bytes_needed_counts_weights_and_the_largest_pass(gemma_engine):
 def test_out_of_memory_in_a_pass_fails_that_request_and_the_server_goes_on(gemma_engine, monkeypatch):
     app = create_app(Settings("spinf/gemma-3-270m"), gemma_engine)
     with TestClient(app) as client:
-        deadline = time.monotonic() + 300
-        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert loaded(client)["status"] == "ok"
         before = client.post("/v1/score", json=BODY).json()["results"]
         engine = app.state.server.engine
         real = engine.score_trees
@@ -55,10 +53,7 @@ def test_out_of_memory_in_a_pass_fails_that_request_and_the_server_goes_on(gemma
 def test_health_reports_device_memory(gemma_engine):
     app = create_app(Settings("spinf/gemma-3-270m"), gemma_engine)
     with TestClient(app) as client:
-        deadline = time.monotonic() + 300
-        while (health := client.get("/health")).status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        memory = health.json()["memory"]
+        memory = loaded(client)["memory"]
         assert memory["needed_bytes"] == gemma_engine.device_bytes_needed()
         # The CPU backend keeps no allocator statistics: absent rather than zero.
         assert ("in_use_bytes" in memory) == (jax.default_backend() != "cpu")
@@ -69,11 +64,7 @@ def test_a_model_that_does_not_fit_the_cap_is_refused(gemma_engine):
     cap = round(needed / 2**30 - 0.01, 2)
     app = create_app(Settings("spinf/gemma-3-270m", device_memory_cap_gib=cap), gemma_engine)
     with TestClient(app) as client:
-        deadline = time.monotonic() + 300
-        while (health := client.get("/health").json())[
-            "status"
-        ] == "warming_up" and time.monotonic() < deadline:
-            time.sleep(0.2)
+        health = loaded(client)
         assert health["status"] == "error"
         assert f"need {needed / 2**30:.2f} GiB, over --device-memory-cap {cap:g} GiB" in health["error"]
         response = client.post("/v1/score", json=BODY)

@@ -1,7 +1,6 @@
 """/metrics (docs/metrics.md): what moves when requests are answered, under which labels, and what a client
 that hangs up counts as. Scraped through Litestar's TestClient and read with prometheus_client's parser."""
 
-import time
 from types import SimpleNamespace
 
 import anyio
@@ -12,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from spinf_jax.server import metrics as metrics_module
 from spinf_jax.server.app import Server, Settings, create_app
 from spinf_jax.server.metrics import REQUEST_SECONDS_BUCKETS, Metrics
+from tests.serving import loaded
 
 MODEL = "spinf/gemma-3-270m"
 BODY = {
@@ -64,9 +64,7 @@ def scrape(client) -> Scrape:
 @pytest.fixture(scope="module")
 def client(gemma_engine):
     with TestClient(create_app(Settings(MODEL), gemma_engine)) as client:
-        deadline = time.monotonic() + 300
-        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert loaded(client)["status"] == "ok"
         yield client
 
 

@@ -4,16 +4,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spinf_jax.models.layers import TreeBatch, by_rows, head_logits, head_token_logits
+from spinf_jax.models.layers import Batch, TreeBatch, by_rows, head_logits, head_token_logits
 from spinf_jax.models.params import Kind, weight
 from spinf_jax.quant import Precision
 
 
 class Decoder(nnx.Module):
     """A decoder-only language model over a packed tree batch: the input embedding (`embed`), the LM head
-    (`lm_head`, or None when tied to `embed`), the layers (each called as layer(x, batch, row_tile)), the
-    final norm and the final-logit softcap (or None). A family's subclass builds its layers and defines the
-    row-local `_embed(tokens)` and `_final_norm(x)`."""
+    (`lm_head`, or None when tied to `embed`), the layers (each called as layer(x, batch, row_tile) and
+    returning the new residual stream and the keys and values it attended with), the final norm and the
+    final-logit softcap (or None). A family's subclass builds its layers and defines the row-local
+    `_embed(tokens)` and `_final_norm(x)`."""
 
     def __init__(self, config, precision: Precision, layers: list, *, tied: bool, softcap: float | None):
         vocab, d = config.vocab_size, config.hidden_size
@@ -23,15 +24,27 @@ class Decoder(nnx.Module):
         self.layers = nnx.List(layers)
         self.final_norm = weight((d,), "model.norm.weight", Kind.NORM, precision)
 
-    def __call__(self, batch: TreeBatch, row_tile: int | None = None, capture=None) -> jax.Array:
+    def __call__(self, batch: Batch, row_tile: int | None = None, capture=None) -> jax.Array:
         """Final hidden states [T, hidden] for every token of the pass (logits come from `logits`).
 
         capture: optional row indices [N] whose hidden states to keep (see `hidden_states`)."""
+        return self.forward(batch, row_tile, capture)[0]
+
+    def forward(self, batch: Batch, row_tile: int | None = None, capture=None):
+        """(final hidden states [T, hidden], per layer the (keys, values) [T, kv_heads, head_dim] it attended
+        with). A layer that reads another layer's keys (kv_source) lists that layer's."""
         x = by_rows(self._embed, row_tile, batch.tokens)
+        kv = []
         for layer in self.layers:
             self._record(x, capture)
-            x = layer(x, batch, row_tile)
-        return self._finish(x, row_tile, capture)
+            x, layer_kv = layer(x, batch, row_tile)
+            kv.append(layer_kv)
+        return self._finish(x, row_tile, capture), kv
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose keys and values layer i attends with (itself, except in Gemma 4's shared
+        layers)."""
+        return i
 
     def _finish(self, x: jax.Array, row_tile: int | None, capture) -> jax.Array:
         x = by_rows(self._final_norm, row_tile, x)

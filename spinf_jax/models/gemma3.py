@@ -15,15 +15,15 @@ from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.layers import (
     GLOBAL,
     SLIDING,
+    Batch,
     Rope,
-    TreeBatch,
     apply_rope,
+    attention,
     by_rows,
     embedding_scale,
     gated_mlp,
     gelu_tanh,
     rms_norm,
-    tree_attention,
 )
 from spinf_jax.models.params import Kind, weight
 from spinf_jax.quant import Precision, embed, linear
@@ -83,7 +83,7 @@ class Config:
 class Layer(nnx.Module):
     def __init__(self, cfg: Config, i: int, precision: Precision):
         d, f, hd, p = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, f"model.layers.{i}."
-        self.cfg = cfg
+        self.cfg, self.i = cfg, i
         self.sliding = cfg.layer_types[i] == SLIDING
         self.input_norm = weight((d,), p + "input_layernorm.weight", Kind.NORM, precision)
         self.q = weight((cfg.num_heads * hd, d), p + "self_attn.q_proj.weight", Kind.LINEAR, precision)
@@ -99,12 +99,13 @@ class Layer(nnx.Module):
         self.down = weight((d, f), p + "mlp.down_proj.weight", Kind.LINEAR, precision)
         self.post_mlp_norm = weight((d,), p + "post_feedforward_layernorm.weight", Kind.NORM, precision)
 
-    def __call__(self, x: jax.Array, batch: TreeBatch, row_tile: int | None) -> jax.Array:
+    def __call__(self, x: jax.Array, batch: Batch, row_tile: int | None):
+        """→ (the residual stream after this layer, the keys and values it attended with)."""
         cfg = self.cfg
         q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
         scale, window = cfg.query_pre_attn_scalar**-0.5, cfg.sliding_window if self.sliding else None
-        attn = tree_attention(q, k, v, batch, scale=scale, window=window)
-        return by_rows(self._after_attention, row_tile, x, attn)
+        attn = attention(q, k, v, batch, self.i, scale=scale, window=window)
+        return by_rows(self._after_attention, row_tile, x, attn), (k, v)
 
     def _qkv(self, x, positions):
         """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden]."""

@@ -15,22 +15,21 @@ The MoE variant (enable_moe_block, 26B-A4B) is not supported: loading it is refu
 import math
 from dataclasses import dataclass
 
-import jax
 from flax import nnx
 
 from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.layers import (
     GLOBAL,
     SLIDING,
+    Batch,
     Rope,
-    TreeBatch,
     apply_rope,
+    attention,
     by_rows,
     embedding_scale,
     gated_mlp,
     gelu_tanh,
     rms_norm,
-    tree_attention,
 )
 from spinf_jax.models.params import Kind, weight
 from spinf_jax.quant import Precision, embed, linear
@@ -155,14 +154,14 @@ class Layer(nnx.Module):
         self.pl_proj = w((d, pl), "per_layer_projection.weight", Kind.LINEAR, pl > 0)
         self.pl_norm = w((d,), "post_per_layer_input_norm.weight", Kind.NORM, pl > 0)
 
-    def __call__(self, x, batch: TreeBatch, row_tile: int | None, per_layer, shared_kv):
+    def __call__(self, x, batch: Batch, row_tile: int | None, per_layer, shared_kv):
         """→ (the residual stream after this layer, the keys and values it attended with). shared_kv: for a
         KV-shared layer, its source layer's (keys, values), else None; per_layer: its [T, P] input or None."""
         q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
         if k is None:
             k, v = shared_kv
         window = self.cfg.sliding_window if self.sliding else None
-        attn = tree_attention(q, k, v, batch, scale=1.0, window=window)
+        attn = attention(q, k, v, batch, self.cfg.kv_source(self.i), scale=1.0, window=window)
         rows = (x, attn) if per_layer is None else (x, attn, per_layer)
         return by_rows(self._after_attention, row_tile, *rows), (k, v)
 
@@ -208,17 +207,18 @@ class Gemma4(Decoder):
         self.pl_model_proj = w((width, cfg.hidden_size), "per_layer_model_projection.weight", Kind.LINEAR)
         self.pl_proj_norm = w((pl,), "per_layer_projection_norm.weight", Kind.NORM)
 
-    def __call__(self, batch: TreeBatch, row_tile: int | None = None, capture=None) -> jax.Array:
-        """Final hidden states [T, hidden] for every token of the pass (logits come from `logits`).
-
-        capture: optional row indices [N] whose hidden states to keep (see `hidden_states`)."""
+    def forward(self, batch: Batch, row_tile: int | None = None, capture=None):
         x, per_layer = by_rows(self._embed, row_tile, batch.tokens)
-        kv = {}  # layer index → the (keys, values) it attended with (XLA frees what no later layer reads)
+        kv = []  # per layer, the (keys, values) it attended with (XLA frees what no later layer reads)
         for i, layer in enumerate(self.layers):
             self._record(x, capture)
-            shared = kv.get(self.config.kv_source(i))
-            x, kv[i] = layer(x, batch, row_tile, None if per_layer is None else per_layer[:, i], shared)
-        return self._finish(x, row_tile, capture)
+            shared = kv[self.config.kv_source(i)] if self.config.kv_source(i) != i else None
+            x, layer_kv = layer(x, batch, row_tile, None if per_layer is None else per_layer[:, i], shared)
+            kv.append(layer_kv)
+        return self._finish(x, row_tile, capture), kv
+
+    def kv_source(self, i: int) -> int:
+        return self.config.kv_source(i)
 
     def _embed(self, tokens):
         """Row-local: the input embedding [T, hidden] and, with per-layer inputs, every layer's [T, L, P]."""

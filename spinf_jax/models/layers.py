@@ -1,12 +1,13 @@
 """Building blocks shared by the model families: the packed tree batch, norms, rotary embeddings, MLP."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import decode_attention
 from pallas_kernels.late_map import late_map
 from pallas_kernels.tree_attention import blockwise, kernel
 from spinf_jax.quant import Weight, embed, linear
@@ -74,13 +75,47 @@ class TreeBatch:
         return TreeBatch.chains([list(tokens)], block)[0]
 
 
-def tree_attention(q, k, v, batch: TreeBatch, *, scale: float, window: int | None = None) -> jax.Array:
-    """q [T, H, D], k/v [T, K, D] → [T, H, D] under the tree mask of `batch`: the Pallas kernel on GPUs,
-    its pure-JAX twin (the same visiting order) elsewhere."""
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One decode step: a token per beam hypothesis of G extraction slots, W hypotheses each (rows [G × W],
+    group-major), continuing from a tree pass's keys and values (pallas_kernels.decode_attention).
+
+    `cache` holds, per layer, the pass's (keys, values) [T, kv_heads, head_dim]; `history`, per layer, those
+    of the earlier decode steps [G, S, W, kv_heads, head_dim] (None for a layer that reads another layer's).
+    """
+
+    tokens: jax.Array  # [R] int32: the token each hypothesis feeds now
+    positions: jax.Array  # [R] int32: its position along its tree path
+    tree_start: jax.Array  # [G] int32: each slot's tree, trunk and template as rows of the pass
+    trunk_end: jax.Array  # [G]
+    branch_start: jax.Array  # [G]
+    slot_end: jax.Array  # [G]: the slot row + 1
+    path: jax.Array  # [G, W, S] int32: which history row holds each hypothesis's key at each step
+    step: jax.Array  # [] int32: this step's history column
+    cache: tuple
+    history: tuple
+    block: int = field(metadata=dict(static=True))  # the pass's trunk block
+    group_tile: int = field(metadata=dict(static=True))  # groups per attention loop body
+
+
+Batch = TreeBatch | DecodeBatch
+
+
+def attention(q, k, v, batch: Batch, layer: int, *, scale: float, window: int | None = None) -> jax.Array:
+    """q [T, H, D], k/v [T, K, D] → [T, H, D]. In a tree pass: the tree mask of `batch`, by the Pallas kernel
+    on GPUs and its pure-JAX twin (the same visiting order) elsewhere. In a decode step: the pass's keys of
+    `layer` (the layer whose keys this one reads), then the step's history."""
     b = batch
-    args = (q, k, v, b.positions, b.span_end, b.trunk_end, b.branch_start, b.tree_start_block)
-    attend = kernel if jax.default_backend() == "gpu" else blockwise
     with jax.named_scope("attention"):  # names the ops in device profiles (here and below)
+        if isinstance(b, DecodeBatch):
+            groups = (b.tree_start, b.trunk_end, b.branch_start, b.slot_end, b.path, b.step)
+            return decode_attention.blockwise(
+                q, k, v, *b.cache[layer], *b.history[layer], b.positions, *groups,
+                scale=scale, window=window, block=b.block, group_tile=b.group_tile,
+            )  # fmt: skip
+        args = (q, k, v, b.positions, b.span_end, b.trunk_end, b.branch_start, b.tree_start_block)
+        attend = kernel if jax.default_backend() == "gpu" else blockwise
         return attend(*args, scale=scale, window=window, block=batch.block)
 
 

@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from spinf_jax.models.decoder import Decoder
-from spinf_jax.models.layers import Rope, TreeBatch, apply_rope, by_rows, gated_mlp, rms_norm, tree_attention
+from spinf_jax.models.layers import Batch, Rope, apply_rope, attention, by_rows, gated_mlp, rms_norm
 from spinf_jax.models.params import Kind, weight
 from spinf_jax.quant import Precision, embed, linear
 
@@ -68,7 +68,7 @@ class Layer(nnx.Module):
         def w(shape, name, kind, present=True):
             return weight(shape, p + name, kind, precision, present)
 
-        self.cfg = cfg
+        self.cfg, self.i = cfg, i
         self.input_norm = w((d,), "input_layernorm.weight", Kind.NORM)
         self.q = w((q_out, d), "self_attn.q_proj.weight", Kind.LINEAR)
         self.k = w((kv_out, d), "self_attn.k_proj.weight", Kind.LINEAR)
@@ -84,10 +84,11 @@ class Layer(nnx.Module):
         self.k_bias = w((kv_out,), "self_attn.k_proj.bias", Kind.BIAS, cfg.qkv_bias)
         self.v_bias = w((kv_out,), "self_attn.v_proj.bias", Kind.BIAS, cfg.qkv_bias)
 
-    def __call__(self, x: jax.Array, batch: TreeBatch, row_tile: int | None) -> jax.Array:
+    def __call__(self, x: jax.Array, batch: Batch, row_tile: int | None):
+        """→ (the residual stream after this layer, the keys and values it attended with)."""
         q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
-        attn = tree_attention(q, k, v, batch, scale=self.cfg.head_dim**-0.5)
-        return by_rows(self._after_attention, row_tile, x, attn)
+        attn = attention(q, k, v, batch, self.i, scale=self.cfg.head_dim**-0.5)
+        return by_rows(self._after_attention, row_tile, x, attn), (k, v)
 
     def _project(self, x, w: nnx.Param, bias: nnx.Param | None, heads: int):
         y = linear(x, w.get_value())

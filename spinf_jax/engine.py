@@ -12,7 +12,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import jax
@@ -20,14 +20,43 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spinf_jax.layout import QuestionKey, Tree, build_tree
+from spinf_jax.answers import Vocabulary, vocabulary
+from spinf_jax.extraction import CANDIDATES, Decoded, SlotSearch, path_columns
+from spinf_jax.layout import (
+    MAX_ANSWER_TOKENS,
+    MAX_CLOSING_TOKENS,
+    MAX_GENERATED_TOKENS,
+    SEARCH_WIDTH,
+    QuestionKey,
+    Tree,
+    build_tree,
+)
 from spinf_jax.loader import DEFAULT_MODEL, Model, load_model
 from spinf_jax.models.decoder import split
-from spinf_jax.models.layers import TreeBatch, by_rows
+from spinf_jax.models.layers import DecodeBatch, TreeBatch, by_rows
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
 from spinf_jax.scoring import Scorer
 
-ENGINE_VERSION = "2"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
+ENGINE_VERSION = "3"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
+KINDS = {"text": 0, "number": 1, "amount": 2}  # rows of the masks table; ENDS is its last row
+ENDS = 3
+# History columns of a decode step: an answer's tokens and its closing text. Fixed per width (one for
+# generated slots, SEARCH_WIDTH for searched ones), so a slot's program never depends on its companions.
+HISTORY_STEPS = {
+    1: MAX_GENERATED_TOKENS + MAX_CLOSING_TOKENS,
+    SEARCH_WIDTH: MAX_ANSWER_TOKENS + MAX_CLOSING_TOKENS,
+}
+
+
+def decode_shapes() -> tuple[int, tuple[int, ...]]:
+    """(rows per tile of a decode step's row-local work and attention, the step sizes in rows).
+
+    On the CPU: 8-row tiles and steps of 16 or 64 rows, so that one searched slot stays cheap; two tiles at
+    least, as a loop that runs once is inlined and rounds differently. On GPUs one shape only, 1,024 rows in
+    one tile: each tile reads every weight once and each attention loop runs once per layer for all slots of
+    the step (on the H200, 128-row tiles made a step at the 12B shape take 330 ms), and with one shape a
+    slot's bits cannot depend on how many slots share its step."""
+    return (8, (16, 64)) if jax.default_backend() == "cpu" else (1024, (1024,))
 
 
 def use_compilation_cache(path) -> None:
@@ -38,11 +67,10 @@ def use_compilation_cache(path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _score_pass(weights, batch: TreeBatch, read_rows, target_read, target_token, *, graphdef, row_tile):
-    """One pass: every target's log-prob [max_targets], and the most likely next token at each read row
-    [max_reads] (from the same full-vocabulary logits as the log-softmax normalisers)."""
-    decoder = nnx.merge(graphdef, weights)
-    hidden = decoder(batch, row_tile)[read_rows]  # [R, D]
+def _read(decoder, hidden, read_rows, target_read, target_token, row_tile):
+    """Every target's log-prob [max_targets], and the most likely next token at each read row [max_reads]
+    (from the same full-vocabulary logits as the log-softmax normalisers)."""
+    hidden = hidden[read_rows]  # [R, D]
     chunks = hidden.reshape(-1, READ_CHUNK, hidden.shape[-1])
 
     def read(h):  # [READ_CHUNK, D] → normaliser and argmax per row
@@ -56,13 +84,86 @@ def _score_pass(weights, batch: TreeBatch, read_rows, target_read, target_token,
     return jnp.minimum(picked - norm[target_read], 0.0), top
 
 
+def _score_pass(weights, batch: TreeBatch, read_rows, target_read, target_token, *, graphdef, row_tile):
+    """One pass: its targets' log-probs and its reads' most likely tokens (_read)."""
+    decoder = nnx.merge(graphdef, weights)
+    return _read(decoder, decoder(batch, row_tile), read_rows, target_read, target_token, row_tile)
+
+
+def _extract_pass(weights, batch: TreeBatch, read_rows, target_read, target_token, *, graphdef, row_tile):
+    """_score_pass, and what decoding the pass's extraction slots continues from: the final hidden state at
+    every read row [max_reads, D] and every layer's keys and values [T, K, D] (None for a layer that reads
+    another's). A second program, so that passes without extraction slots keep their outputs small."""
+    decoder = nnx.merge(graphdef, weights)
+    hidden, kv = decoder.forward(batch, row_tile)
+    cache = tuple(layer_kv if decoder.kv_source(i) == i else None for i, layer_kv in enumerate(kv))
+    return (*_read(decoder, hidden, read_rows, target_read, target_token, row_tile), hidden[read_rows], cache)
+
+
+def _choose(decoder, hidden, kind, closing_first, ends, forced, masks, tile):
+    """Per row of hidden [N, D]: the CANDIDATES most likely next tokens its slot allows, with their log-probs
+    under the full vocabulary ([N, CANDIDATES] each); the log-prob of one forced token [N]; and the log of
+    the probability outside its kind's tokens [N] (how a number ends: with anything that is not a number).
+
+    A row allows masks[kind] (its slot's kind), its closing text's first token, and where `ends` is set the
+    tokens that end an answer (masks[ENDS])."""
+    vocab = jnp.arange(masks.shape[1], dtype=jnp.int32)
+
+    def rows(h, kind, closing_first, ends, forced):
+        logits = decoder.logits(h)
+        logprobs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        allowed = masks[kind] | (vocab[None] == closing_first[:, None]) | (ends[:, None] & masks[ENDS][None])
+        top_lp, top_tok = jax.lax.top_k(jnp.where(allowed, logprobs, -jnp.inf), CANDIDATES)
+        forced_lp = jnp.take_along_axis(logprobs, jnp.maximum(forced, 0)[:, None], axis=1)[:, 0]
+        outside = jax.nn.logsumexp(jnp.where(masks[kind], -jnp.inf, logprobs), axis=-1)
+        return top_lp, top_tok.astype(jnp.int32), forced_lp, outside
+
+    return by_rows(rows, tile, hidden, kind, closing_first, ends, forced)
+
+
+def _first_candidates(weights, hidden, kind, closing_first, ends, masks, *, graphdef, tile):
+    """The candidates read at the slot rows of a pass (_choose)."""
+    decoder = nnx.merge(graphdef, weights)
+    top_lp, top_tok, _, outside = _choose(
+        decoder, hidden, kind, closing_first, ends, jnp.zeros_like(kind), masks, tile
+    )
+    return top_lp, top_tok, outside
+
+
+def _decode_step(weights, cache, history, masks, batch_arrays, kind, closing_first, ends, forced, *, graphdef,
+                 tile, block):  # fmt: skip
+    """One decode step over [G × W] rows (layers.DecodeBatch): each row's candidates and forced-token log-prob
+    (_choose), and the history with this step's keys and values written at column `step`."""
+    decoder = nnx.merge(graphdef, weights)
+    tokens, positions, tree_start, trunk_end, branch_start, slot_end, path, step = batch_arrays
+    g = tree_start.shape[0]
+    width = tokens.shape[0] // g
+    batch = DecodeBatch(
+        tokens, positions, tree_start, trunk_end, branch_start, slot_end, path, step, cache, history,
+        block=block, group_tile=tile // width,
+    )  # fmt: skip
+    hidden, kv = decoder.forward(batch, tile)
+
+    def write(column, new):  # [G, S, W, K, D], [R, K, D]
+        return jax.lax.dynamic_update_index_in_dim(column, new.reshape(g, width, *new.shape[1:]), step, 1)
+
+    history = tuple(
+        None if h is None else (write(h[0], layer_kv[0]), write(h[1], layer_kv[1]))
+        for h, layer_kv in zip(history, kv, strict=True)
+    )
+    return (*_choose(decoder, hidden, kind, closing_first, ends, forced, masks, tile), history)
+
+
 @dataclass
 class Scored:
-    """What a pass gave for one tree: its targets' log-probabilities and its reads' most likely tokens."""
+    """What a pass gave for one tree: its targets' log-probabilities, its reads' most likely tokens, and the
+    answers decoded at its extraction slots."""
 
     tree: Tree
     logprobs: np.ndarray  # [len(tree.targets)] float32
     top_tokens: np.ndarray  # [len(tree.read_rows)] int32: the most likely next token at each read
+    answers: list[list[Decoded]] = field(default_factory=list)  # per slot (tree.slots), most likely first
+    decode_tokens: int = 0  # tokens fed to decode steps for its slots
 
     def option_logprobs(self, question: int) -> np.ndarray:
         return np.array(
@@ -106,6 +207,24 @@ class Engine:
         graphdef, self._weights = split(model.decoder)
         self._run = jax.jit(partial(_score_pass, graphdef=graphdef, row_tile=model.row_tile))
         self._programs: dict[int, jax.stages.Compiled] = {}  # bucket size → its compiled pass
+        # Extraction: a pass that also hands back its keys and values, then fixed-shape decode steps of
+        # [G × W] rows in buckets of decode_sizes rows (spinf_jax.extraction).
+        tile, self.decode_sizes = decode_shapes()
+        self.decode_tile = tile
+        self._extract = jax.jit(partial(_extract_pass, graphdef=graphdef, row_tile=model.row_tile))
+        self._first = jax.jit(partial(_first_candidates, graphdef=graphdef, tile=tile))
+        self._step = jax.jit(
+            partial(_decode_step, graphdef=graphdef, tile=tile, block=self.buckets.block),
+            donate_argnames=("history",),
+        )
+        size = model.config.vocab_size
+        self.vocabulary = vocabulary(model.tokenizer) if model.tokenizer else Vocabulary.anything(size)
+        v = self.vocabulary
+        table = np.zeros((4, size), bool)
+        for row, allowed in enumerate((v.text, v.number, v.amount, v.newline | v.end)):
+            table[row, : len(allowed)] = allowed[:size]
+        self._masks = jnp.asarray(table)
+        self._ends = table[ENDS]
 
     @classmethod
     def load(cls, spec: str = DEFAULT_MODEL, precision: str = "bf16", **kwargs) -> "Engine":
@@ -150,13 +269,17 @@ class Engine:
         return pack([build_tree([0], [], [])], self._bucket(size))[0]
 
     def score_trees(self, trees: list[Tree]) -> list[Scored]:
-        """Pack trees into passes, run them, and hand back each tree's target log-probs and top tokens."""
+        """Pack trees into passes, run them, and hand back each tree's target log-probs and top tokens, and
+        the answers at its extraction slots (decoded right after their pass, from its keys and values)."""
         out: list[Scored | None] = [None] * len(trees)
         for p in pack(trees, self.buckets):
             start = time.perf_counter()
-            logprobs, top = self._run_pass(p)
-            if self.on_pass:
-                self.on_pass(p.size, time.perf_counter() - start)
+            slots = [(t, slot) for t in p.tree_ids for slot in trees[t].slots]
+            if slots:
+                logprobs, top, hidden, cache = self._extract(*self._pass_args(p))
+                logprobs, top = np.asarray(logprobs), np.asarray(top)
+            else:
+                logprobs, top = self._run_pass(p)
             for tree_id, targets, reads in zip(p.tree_ids, p.target_offset, p.read_offset, strict=True):
                 tree = trees[tree_id]
                 out[tree_id] = Scored(
@@ -164,7 +287,110 @@ class Engine:
                     logprobs[targets : targets + len(tree.targets)],
                     top[reads : reads + len(tree.read_rows)],
                 )
+            if slots:
+                self._decode(p, trees, out, slots, hidden, cache)
+            if self.on_pass:
+                self.on_pass(p.size, time.perf_counter() - start)
         return out
+
+    # -----------------------------------------------------------------------------------------------------
+    # Extraction
+
+    def _search(self, slot) -> SlotSearch:
+        closing, tokenizer = slot.extract.closing_ids, self.model.tokenizer
+        if not closing or tokenizer is None:
+            return SlotSearch(slot.extract, self._ends)
+        excluded = frozenset(self.vocabulary.containing(tokenizer.decode(list(closing)))) - {closing[0]}
+        return SlotSearch(slot.extract, self._ends, excluded)
+
+    def _decode(self, p: Pass, trees, out, slots, hidden, cache) -> None:
+        """Decode every extraction slot of a pass: candidates at the slot rows, then decode steps until each
+        slot's search is done. Slots decode in groups of one width (search or generate)."""
+        searches = [self._search(slot) for _, slot in slots]
+        offsets = dict(zip(p.tree_ids, p.row_offset, strict=True))
+        reads = dict(zip(p.tree_ids, p.read_offset, strict=True))
+        for width in sorted({slot.extract.width for _, slot in slots}):
+            chosen = [i for i, (_, slot) in enumerate(slots) if slot.extract.width == width]
+            most = self.decode_sizes[-1] // width
+            for k in range(0, len(chosen), most):
+                group = [(slots[i], searches[i]) for i in chosen[k : k + most]]
+                rows = [reads[t] + slot.read for (t, slot), _ in group]
+                self._start([s for _, s in group], hidden, rows)
+                places = [self._place(trees[t], slot, offsets[t]) for (t, slot), _ in group]
+                self._run_searches([s for _, s in group], places, cache, width)
+        for (t, _), search in zip(slots, searches, strict=True):
+            out[t].answers.append(search.answers())
+            out[t].decode_tokens += search.fed
+
+    def _rows(self, n: int) -> int:
+        """Rows of a decode program over n rows: the smallest of decode_sizes that holds them."""
+        return next(size for size in self.decode_sizes if size >= n)
+
+    def _start(self, searches: list[SlotSearch], hidden, rows: list[int]) -> None:
+        """Start each search from the candidates read at its slot row (hidden: the pass's read rows)."""
+        n = self._rows(len(rows))
+        pick = np.zeros(n, np.int32)
+        pick[: len(rows)] = rows
+        kind, closing_first, ends = self._row_rules([s.extract for s in searches], n)
+        first = self._first(self._weights, hidden[pick], kind, closing_first, ends, self._masks)
+        for search, *candidates in zip(searches, *map(np.asarray, first)):  # noqa: B905 - padded rows
+            search.start(*candidates)
+
+    @staticmethod
+    def _row_rules(extracts, n: int, width: int = 1):
+        """Per row: its slot's kind, closing text's first token (-1: none), and whether end tokens end it."""
+        kind, closing_first, ends = np.zeros(n, np.int32), np.full(n, -1, np.int32), np.zeros(n, bool)
+        for i, e in enumerate(extracts):
+            rows = slice(i * width, (i + 1) * width)
+            kind[rows] = KINDS[e.kind]
+            closing_first[rows] = e.closing_ids[0] if e.closing_ids else -1
+            ends[rows] = not e.closing_ids and e.kind == "text"  # numbers end with any other token
+        return kind, closing_first, ends
+
+    @staticmethod
+    def _place(tree: Tree, slot, offset: int) -> tuple[int, int, int, int, int]:
+        """A slot's rows in its pass: tree start, trunk end, template start and end, and the position of
+        the first decoded token."""
+        return (
+            offset,
+            offset + tree.trunk_tokens,
+            offset + slot.branch_start,
+            offset + slot.row + 1,
+            tree.positions[slot.row] + 1,
+        )
+
+    def _run_searches(self, searches: list[SlotSearch], places, cache, width: int) -> None:
+        """Decode steps over one group of slots of one width until every search is done."""
+        n = self._rows(len(searches) * width)
+        g, steps = n // width, HISTORY_STEPS[width]
+        history = tuple(
+            None
+            if layer is None
+            else tuple(jnp.zeros((g, steps, width, *a.shape[1:]), a.dtype) for a in layer)
+            for layer in cache
+        )
+        groups = np.zeros((4, g), np.int32)
+        groups[:, : len(places)] = np.array([p[:4] for p in places]).T
+        kind, closing_first, ends = self._row_rules([s.extract for s in searches], n, width)
+        for step in range(steps):
+            live = [i for i, s in enumerate(searches) if not s.done]
+            if not live:
+                return
+            tokens, positions = np.zeros(n, np.int32), np.zeros(n, np.int32)
+            path, forced = np.zeros((g, width, steps), np.int32), np.full(n, -1, np.int32)
+            for i in live:
+                for w, (token, columns, forced_token) in enumerate(searches[i].feeds()):
+                    r = i * width + w
+                    tokens[r], positions[r], forced[r] = token, places[i][4] + step, forced_token
+                    path[i, w] = path_columns(columns, w, steps)
+            batch = (tokens, positions, *groups, path, np.int32(step))
+            *read, history = self._step(
+                self._weights, cache, history, self._masks, batch, kind, closing_first, ends, forced
+            )
+            lp, tok, forced_lp, outside = map(np.asarray, read)
+            for i in live:
+                rows = slice(i * width, i * width + len(searches[i].live))
+                searches[i].advance(lp[rows], tok[rows], forced_lp[rows], outside[rows])
 
     def score(self, body: dict) -> dict:
         """A scoring request (SPEC section 1) → the scoring response (section 2): the library's entry point,

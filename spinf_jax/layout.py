@@ -6,6 +6,9 @@ depth), and each token's span covers its subtree, which is all the attention mas
 Attention also needs to know where the trunk ends and where each row's branch starts: it reads the trunk
 and the row's own branch separately, so that a question's scores do not depend on its companions.
 
+A question with an extraction slot has no options: its branch is the template alone, read at its last row,
+and its answers are decoded from there (spinf_jax.extraction) with the tree's keys and values.
+
 An option's log-probability is the sum of reads: log P(o1) at the template's last token, then
 log P(o_{j+1}) at the trie node of o_1..o_j. The trie holds each option's tokens except its last, shared
 between options with a common prefix (" New York" and " New Jersey" share " New").
@@ -13,13 +16,45 @@ between options with a common prefix (" New York" and " New Jersey" share " New"
 
 from dataclasses import dataclass, field
 
+SEARCH_WIDTH = 8  # hypotheses a searched slot keeps per step (so at most 8 answers)
+MAX_ANSWER_TOKENS = 32  # a searched answer's tokens
+MAX_GENERATED_TOKENS = 128  # a generated answer's tokens
+MAX_CLOSING_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Extract:
+    """An extraction slot: what its answers may hold, how they end, how many are searched for."""
+
+    kind: str = "text"  # "text" ({*}), "number" ({n}), "amount" ({$})
+    closing_ids: tuple[int, ...] = ()  # the closing text that ends an answer; () ends at a newline
+    max_answers: int = 5
+    max_tokens: int = 16  # tokens of an answer, its closing text not counted
+    generate: bool = False  # greedy: one answer, no search
+
+    @property
+    def width(self) -> int:
+        return 1 if self.generate else SEARCH_WIDTH
+
 
 @dataclass(frozen=True)
 class QuestionKey:
     """What a question's scores depend on besides the content: the floor cache is keyed by it."""
 
     template_ids: tuple[int, ...]
-    option_ids: tuple[tuple[int, ...], ...]
+    option_ids: tuple[tuple[int, ...], ...] = ()
+    extract: Extract | None = None  # an extraction slot instead of options
+
+
+@dataclass(frozen=True)
+class SlotRow:
+    """Where a tree reads an extraction slot."""
+
+    question: int  # index among the tree's questions
+    row: int  # the template's last row (the trunk's last row for an empty template)
+    branch_start: int  # the template's first row (row + 1 for an empty template)
+    read: int  # index into read_rows
+    extract: Extract
 
 
 @dataclass
@@ -33,6 +68,7 @@ class Tree:
     # First row of the branch each row belongs to (row + 1 for trunk rows, which belong to none).
     branch_start: list[int] = field(default_factory=list)
     trunk_tokens: int = 0
+    slots: list[SlotRow] = field(default_factory=list)
     _reads: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # row → read index
     _target_index: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
 
@@ -55,12 +91,16 @@ class Tree:
         self.branch_start.append(len(self.tokens))
         return len(self.tokens) - 1
 
-    def _read(self, row: int, token: int) -> int:
-        """The target index of log P(token | row), added (with the row's read) the first time it is asked."""
+    def _read_row(self, row: int) -> int:
+        """The read index of a row, added the first time it is asked."""
         if row not in self._reads:
             self._reads[row] = len(self.read_rows)
             self.read_rows.append(row)
-        key = (self._reads[row], token)
+        return self._reads[row]
+
+    def _read(self, row: int, token: int) -> int:
+        """The target index of log P(token | row), added (with the row's read) the first time it is asked."""
+        key = (self._read_row(row), token)
         if key not in self._target_index:
             self._target_index[key] = len(self.targets)
             self.targets.append(key)
@@ -78,8 +118,15 @@ def build_tree(prefix: list[int], content_ids: list[int], questions: list[Questi
             depth += 1
         slot_row = len(tree.tokens) - 1 if q.template_ids else tree.trunk_tokens - 1
         if slot_row < 0:
-            raise ValueError("nothing to read the options after: empty content and template, and no BOS")
-        _add_option_trie(tree, q.option_ids, slot_row, depth)
+            raise ValueError("nothing to read the slot after: empty content and template, and no BOS")
+        if q.extract is not None:
+            branch = start if q.template_ids else slot_row + 1
+            tree.slots.append(
+                SlotRow(len(tree.options), slot_row, branch, tree._read_row(slot_row), q.extract)
+            )
+            tree.options.append([])
+        else:
+            _add_option_trie(tree, q.option_ids, slot_row, depth)
         tree.branch_start[start:] = [start] * (len(tree.tokens) - start)
         # Template tokens are one chain; its span (and the trie below it) ends here.
         for row in range(start, start + len(q.template_ids)):

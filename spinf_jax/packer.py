@@ -80,6 +80,7 @@ class Pass:
     target_token: np.ndarray  # [max_targets]
     target_offset: list[int]  # per tree: where its targets start in target_read / target_token
     read_offset: list[int]  # per tree: where its reads start in read_rows
+    row_offset: list[int]  # per tree: its first row
 
 
 def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int]:
@@ -165,7 +166,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
     read_rows = np.zeros(buckets.max_reads(size), np.int32)
     target_read = np.zeros(buckets.max_targets(size), np.int32)
     target_token = np.zeros(buckets.max_targets(size), np.int32)
-    offset, n_reads, n_targets, target_offset, read_offset = 0, 0, 0, [], []
+    offset, n_reads, n_targets, target_offset, read_offset, row_offset = 0, 0, 0, [], [], []
     for i in tree_ids:
         tree = trees[i]
         n = len(tree)
@@ -183,6 +184,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
             target_token[n_targets : n_targets + len(toks)] = toks
         target_offset.append(n_targets)
         read_offset.append(n_reads)
+        row_offset.append(offset)
         offset += buckets.aligned(n)
         n_reads += len(tree.read_rows)
         n_targets += len(tree.targets)
@@ -200,4 +202,5 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
         target_token,
         target_offset,
         read_offset,
+        row_offset,
     )

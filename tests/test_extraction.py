@@ -1,0 +1,192 @@
+"""Extraction slots (issue 14): answers decoded from the pass's keys and values, the search's rules, and the
+same guarantees as scores (bits independent of companions, bucket and order)."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spinf_jax.engine import Engine
+from spinf_jax.extraction import CANDIDATES, SlotSearch
+from spinf_jax.layout import Extract, QuestionKey, build_tree
+from spinf_jax.loader import default_row_tile, load_model
+from spinf_jax.packer import Buckets
+from tests.spec_example import SPEC_REQUEST
+
+TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
+RNG = np.random.default_rng(14)
+CONTENTS = [RNG.integers(3, 500, n).tolist() for n in (25, 70, 9)]
+TEMPLATES = [RNG.integers(3, 500, n).tolist() for n in (6, 3, 20)]
+SEARCH = QuestionKey(tuple(TEMPLATES[0]), extract=Extract(max_answers=8, max_tokens=5))
+GENERATE = QuestionKey(tuple(TEMPLATES[1]), extract=Extract(max_tokens=7, generate=True))
+CLOSED = QuestionKey(tuple(TEMPLATES[2]), extract=Extract(closing_ids=(11, 12), max_tokens=4))
+OPTIONS = QuestionKey(tuple(TEMPLATES[1]), ((5,), (6, 7), (6, 9)))
+
+
+def _buckets(*multiples: int) -> Buckets:
+    """Buckets of these multiples of the smallest this backend allows (row tiles: 256 on the CPU, 2,048 on
+    GPUs), so the tests run on both."""
+    least = max(256, 2 * default_row_tile())
+    return Buckets(tuple(least * m for m in multiples), block=64)
+
+
+def _engine(family: str, precision: str = "fp32") -> Engine:
+    return Engine(load_model(TINY / family, precision), buckets=_buckets(1, 2))
+
+
+@pytest.fixture(scope="module", params=["gemma3", "qwen3", "gemma4-e2b"])
+def tiny(request) -> Engine:
+    return _engine(request.param)
+
+
+def test_decoded_answers_score_like_the_same_tokens_as_options(tiny):
+    """Decoding reads the pass's keys and values and its own path: the log-prob of every answer equals the
+    same tokens scored as an option in a tree pass (the arithmetic differs, the math does not)."""
+    [scored] = tiny.score_trees([build_tree([2], CONTENTS[0], [SEARCH, GENERATE])])
+    searched, [generated] = scored.answers
+    assert len(searched) >= 8 and scored.decode_tokens > 0
+    assert [a.logprob for a in searched] == sorted((a.logprob for a in searched), reverse=True)
+    assert all(len(a.tokens) == 5 for a in searched)  # no end tokens without a tokenizer: the length bound
+    as_options = [QuestionKey(SEARCH.template_ids, tuple(a.tokens for a in searched[:4]))]
+    as_options.append(QuestionKey(GENERATE.template_ids, (generated.tokens,)))
+    [check] = tiny.score_trees([build_tree([2], CONTENTS[0], as_options)])
+    np.testing.assert_allclose(check.option_logprobs(0), [a.logprob for a in searched[:4]], atol=3e-5)
+    np.testing.assert_allclose(check.option_logprobs(1), [generated.logprob], atol=3e-5)
+    # Greedy is the top path of the search's first step at least, and no better than the best searched.
+    assert generated.logprob <= searched[0].logprob + 1e-6 or generated.tokens[0] != searched[0].tokens[0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_answers_bit_identical_whatever_the_companions(precision):
+    """Alone, with other questions (options, other slots, in other orders), packed after other contents,
+    and in another bucket: the same answers, bit for bit. And a {?} question's scores do not change when an
+    extraction slot joins it (the pass then runs the program that also returns keys and values)."""
+    engine = _engine("gemma3", precision)
+    other_bucket = Engine(engine.model, buckets=_buckets(4))
+
+    def answers(e, contents, questions, which):
+        """The answers of `question` (in `questions`) for the content at index `which`."""
+        trees = [build_tree([2], c, questions) for c in contents]
+        slot = [q for q in questions if q.extract].index(question)
+        return e.score_trees(trees)[which].answers[slot]
+
+    for question in (SEARCH, GENERATE, CLOSED):
+        alone = answers(engine, CONTENTS[:1], [question], 0)
+        assert alone
+        others = [q for q in (SEARCH, OPTIONS, GENERATE, CLOSED) if q != question]
+        assert answers(engine, CONTENTS[:1], [*others, question], 0) == alone
+        assert answers(engine, CONTENTS[:1], [question, *others[::-1]], 0) == alone
+        assert answers(engine, [*CONTENTS[1:], CONTENTS[0]], [*others, question], 2) == alone
+        assert answers(other_bucket, [CONTENTS[0], *CONTENTS[1:]], [GENERATE, question], 0) == alone
+    plain = engine.score_trees([build_tree([2], CONTENTS[1], [OPTIONS])])[0].option_logprobs(0)
+    mixed = engine.score_trees([build_tree([2], CONTENTS[1], [SEARCH, OPTIONS])])[0].option_logprobs(1)
+    assert plain.tobytes() == mixed.tobytes()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The search's rules, on made-up numbers
+
+ENDS = np.zeros(32, bool)
+ENDS[30] = True  # a newline
+
+
+def _candidates(*pairs):
+    """[CANDIDATES] log-probs and tokens from (token, p) pairs, the rest impossible."""
+    lp, tok = np.full(CANDIDATES, -np.inf), np.zeros(CANDIDATES, np.int32)
+    for i, (token, p) in enumerate(pairs):
+        lp[i], tok[i] = math.log(p), token
+    return lp, tok
+
+
+def test_a_multi_token_closing_text_is_forced_and_counted():
+    search = SlotSearch(Extract(closing_ids=(7, 8), max_tokens=3), ENDS)
+    search.start(*_candidates((5, 0.6), (7, 0.3)), outside=-1.0)
+    assert [(h.answer, h.closed) for h in search.live] == [((5,), 0), ((), 1)]
+    feeds = search.feeds()
+    assert feeds == [(5, (), -1), (7, (), 8)]  # the closing hypothesis has its next token forced
+    lp, tok = _candidates((7, 0.5), (6, 0.4))
+    search.advance(np.stack([lp, lp]), np.stack([tok, tok]), np.log([0.1, 0.9]), np.zeros(2))
+    [(tokens, logprob)] = [(d.tokens, d.logprob) for d in search.finished]
+    assert tokens == () and math.isclose(logprob, math.log(0.3 * 0.9))
+    assert [(h.answer, h.closed, h.pending) for h in search.live] == [((5,), 1, 7), ((5, 6), 0, 6)]
+    assert search.live[0].columns == search.live[1].columns == (0,)
+
+
+def test_an_answer_at_its_length_bound_must_close_or_ends_there():
+    closed = SlotSearch(Extract(closing_ids=(7,), max_tokens=1), ENDS)
+    closed.start(*_candidates((5, 0.5)), outside=-1.0)
+    assert closed.feeds() == [(5, (), 7)]
+    open_ended = SlotSearch(Extract(max_tokens=1), ENDS)
+    open_ended.start(*_candidates((5, 0.5), (30, 0.2)), outside=-1.0)
+    assert [d.tokens for d in open_ended.finished] == [(5,), ()]
+    np.testing.assert_allclose([d.logprob for d in open_ended.finished], np.log([0.5, 0.2]))
+    assert open_ended.done
+
+
+def test_a_number_ends_with_the_mass_that_cannot_continue_it():
+    search = SlotSearch(Extract(kind="number", max_tokens=4), ENDS)
+    search.start(*_candidates((1, 0.5), (2, 0.25)), outside=math.log(0.25))
+    assert search.finished == []  # an empty number is no answer
+    lp, tok = _candidates((3, 0.1))
+    search.advance(np.stack([lp, lp]), np.stack([tok, tok]), np.zeros(2), np.log([0.8, 0.5]))
+    assert [d.tokens for d in search.answers()] == [(1,), (2,)]
+    np.testing.assert_allclose([d.logprob for d in search.answers()], np.log([0.5 * 0.8, 0.25 * 0.5]))
+
+
+def test_the_search_stops_when_no_hypothesis_can_beat_the_answers_it_has():
+    search = SlotSearch(Extract(max_answers=1, max_tokens=8), ENDS)
+    search.start(*_candidates((30, 0.6), (5, 0.3)), outside=-1.0)
+    assert [d.tokens for d in search.finished] == [()] and search.done
+    search = SlotSearch(Extract(max_answers=2, max_tokens=8), ENDS)
+    search.start(*_candidates((30, 0.6), (5, 0.3)), outside=-1.0)
+    assert not search.done
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The default model, from text
+
+
+def test_readme_example_ranks_answers_on_the_default_model(gemma_engine):
+    body = {
+        "messages": SPEC_REQUEST["messages"],
+        "scoring": {
+            "queries": [
+                *SPEC_REQUEST["scoring"]["queries"][:2],
+                {"id": "month", "template": '\n\nQ: Which month was charged twice?\nA: "{*}"'},
+                {"id": "month_generated", "template": '\n\nQ: Which month was charged twice?\nA: "{*}"',
+                 "mode": "generate"},
+            ]
+        },
+    }  # fmt: skip
+    response = gemma_engine.score(body)
+    by_id = {q["id"]: q["combinations"][0] for q in response["results"][0]["queries"]}
+    answers = by_id["month"]["answers"]
+    assert answers[0]["text"] == "September" and len(answers) == 5
+    assert abs(sum(a["p"] for a in answers) - 1) < 1e-9
+    assert math.isclose(by_id["month"]["residual"], 1 - sum(math.exp(a["logprob"]) for a in answers))
+    assert by_id["month_generated"]["answers"] == [{**answers[0], "p": 1.0}]
+    assert response["usage"]["prompt_tokens_details"]["decode_tokens"] > 0
+    # The same slot asked alone: the same bits.
+    alone = gemma_engine.score({**body, "scoring": {"queries": [body["scoring"]["queries"][2]]}})
+    assert alone["results"][0]["queries"][0]["combinations"][0]["answers"] == answers
+
+
+def test_numbers_and_amounts_have_values(gemma_engine):
+    content = "Invoice 2231 from Northwind Traders.\nTotal due: $1,250.00 by March 3. 14 people will attend."
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "scoring": {
+            "queries": [
+                {"id": "total", "template": "\n\nQ: What is the total amount due?\nA:{$}", "max_answers": 3},
+                {"id": "people", "template": "\n\nQ: How many people will attend?\nA:{n}", "floor": True},
+            ]
+        },
+    }
+    total, people = (q["combinations"][0] for q in gemma_engine.score(body)["results"][0]["queries"])
+    assert total["answers"][0] | {"logprob": 0, "p": 0} == {
+        "text": "$1,250.00", "value": 1250.0, "currency": "USD", "logprob": 0, "p": 0
+    }  # fmt: skip
+    assert len(total["answers"]) == 3 and "floor_answers" not in total
+    assert people["answers"][0]["value"] == 14.0 and people["answers"][0]["text"] == "14"
+    assert all(isinstance(a["value"], float) for a in people["answers"] + people["floor_answers"])

@@ -71,6 +71,26 @@ for option in answers["topic"]["options"]:
     print(f"{option['text']:>14}  p {option['p']:.3f}  floor {option['floor_p']:.3f}  lift {lift:5.2f}")
 
 # %% [markdown]
+# ## Extract answers from the same read
+#
+# A `{*}` slot (or `{n}` for a number, `{$}` for an amount) asks for an answer instead of scoring options:
+# the most likely answers come back ranked, decoded from the same read of the content (docs/extraction.md).
+
+# %%
+extracted = engine.score(
+    {
+        "messages": [{"role": "user", "content": message}],
+        "scoring": {
+            "queries": [{"id": "month", "template": '\n\nQ: Which month was charged twice?\nA: "{*}"'}]
+        },
+    }
+)
+month = extracted["results"][0]["queries"][0]["combinations"][0]
+for answer in month["answers"]:
+    print(f"{answer['text']:>12}  p {answer['p']:.3f}  logprob {answer['logprob']:.2f}")
+assert month["answers"][0]["text"] == "September"
+
+# %% [markdown]
 # ## Look inside a layer
 #
 # The model is a Flax NNX module. Its weights are `nnx.Param`s that name the checkpoint tensor they were read

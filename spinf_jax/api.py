@@ -92,6 +92,30 @@ class Query(Struct, kw_only=True):
         dict[str, Annotated[list[str], Meta(min_length=1)]] | None,
         Meta(description='with combinations "all": {name: [values]}'),
     ] = None
+    mode: Annotated[
+        Literal["search", "generate"] | None,
+        Meta(
+            description="for an extraction slot: search lists the most likely answers (beam search); "
+            "generate writes one answer greedily; absent: search"
+        ),
+    ] = None
+    max_answers: Annotated[
+        int | None, Meta(description="for a searched extraction slot: answers listed, 1 to 8; absent: 5")
+    ] = None
+    max_tokens: Annotated[
+        int | None,
+        Meta(
+            description="for an extraction slot: tokens of an answer, its closing text not counted; 1 to 32 "
+            "searched (absent: 16), 1 to 128 generated (absent: 64)"
+        ),
+    ] = None
+    floor: Annotated[
+        bool | None,
+        Meta(
+            description="for an extraction slot: decode it on empty content too (floor_answers); "
+            "absent: false"
+        ),
+    ] = None
 
 
 class Scoring(Struct, kw_only=True):
@@ -164,20 +188,32 @@ class OptionScore(Struct, kw_only=True, omit_defaults=True):
 class Answer(Struct, kw_only=True, omit_defaults=True):
     """One of the most likely answers at an extraction slot ({*}, {n}, {$})."""
 
-    text: str
-    p: float
-    value: Annotated[float | None, Meta(description="the number, for {n} and {$} answers")] = None
-    currency: Annotated[str | None, Meta(description="for {$} answers where one is written")] = None
+    text: Annotated[str, Meta(description="the answer as written, without its closing text, spaces trimmed")]
+    p: Annotated[float, Meta(description="exp(logprob) renormalised over the listed answers")]
+    logprob: Annotated[
+        float | None,
+        Meta(description="log P(the answer's tokens and its closing text or end | content + template)"),
+    ] = None
+    value: Annotated[
+        float | None, Meta(description="the number, for {n} (a percentage as a fraction) and {$} answers")
+    ] = None
+    currency: Annotated[str | None, Meta(description="ISO 4217, for {$} answers where one is written")] = None
 
 
 class CombinationResult(Struct, kw_only=True, omit_defaults=True):
     values: Annotated[dict[str, str], Meta(description="the placeholders' values; {} when there are none")]
     options: Annotated[list[OptionScore] | None, Meta(description="for a {?} slot, in request order")] = None
     residual: Annotated[
-        float | None, Meta(description="1 - Σ exp(logprob): the mass on other words, clamped at 0")
+        float | None,
+        Meta(description="1 - Σ exp(logprob) over the options or answers: the mass elsewhere, clamped at 0"),
     ] = None
     floor_residual: Annotated[float | None, Meta(description="residual on empty content")] = None
-    answers: Annotated[list[Answer] | None, Meta(description="for extraction slots")] = None
+    answers: Annotated[
+        list[Answer] | None, Meta(description="for an extraction slot: the most likely answers, best first")
+    ] = None
+    floor_answers: Annotated[
+        list[Answer] | None, Meta(description="for an extraction slot asked with floor: on empty content")
+    ] = None
 
 
 class QueryResult(Struct, kw_only=True):
@@ -220,10 +256,15 @@ class TokenDetails(Struct, kw_only=True):
     content_tokens: int
     query_tokens: int
     floor_tokens: int
+    decode_tokens: Annotated[
+        int, Meta(description="tokens fed while decoding extraction slots (every hypothesis, every step)")
+    ] = 0
 
 
 class Usage(Struct, kw_only=True):
-    prompt_tokens: Annotated[int, Meta(description="every token processed: contents, questions, floors")]
+    prompt_tokens: Annotated[
+        int, Meta(description="tokens read: contents, questions, floors (decode tokens not included)")
+    ]
     prompt_tokens_details: TokenDetails
 
 
@@ -251,8 +292,8 @@ class ScoreResponse(_Scores, kw_only=True):
 
 
 class ChatUsage(Usage, kw_only=True):
-    completion_tokens: Literal[0] = 0
-    total_tokens: Annotated[int, Meta(description="prompt_tokens: nothing is generated")]
+    completion_tokens: Annotated[int, Meta(description="the decode tokens of extraction slots")] = 0
+    total_tokens: Annotated[int, Meta(description="prompt_tokens + completion_tokens")]
 
 
 class ChatCompletion(_Scores, kw_only=True):

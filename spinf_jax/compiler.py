@@ -11,15 +11,23 @@ engine reads. Knows nothing of the model beyond its tokenizer.
 import itertools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from spinf_jax import api
+from spinf_jax.answers import vocabulary
 from spinf_jax.errors import ScoringError
+from spinf_jax.layout import (
+    MAX_ANSWER_TOKENS,
+    MAX_CLOSING_TOKENS,
+    MAX_GENERATED_TOKENS,
+    SEARCH_WIDTH,
+    Extract,
+)
 
 
 class Slot(StrEnum):
-    """The template's final slot: what the model is asked for there."""
+    """The template's slot: what the model is asked for there."""
 
     SCORE = "{?}"
     TEXT = "{*}"
@@ -52,6 +60,8 @@ class Question:
     template_ids: tuple[int, ...]
     options: tuple[str, ...]  # option texts as given
     option_ids: tuple[tuple[int, ...], ...]
+    extract: Extract | None = None  # an extraction slot's settings (then no options)
+    floor: bool = False  # also asked on empty content
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,6 @@ class Content:
 class CompiledRequest:
     model: str | None
     contents: tuple[Content, ...]
-    empty_floor: bool
     pack_ids: tuple[str, ...]
 
 
@@ -116,10 +125,11 @@ _SLOTS = {slot.value: slot for slot in Slot}
 
 def parse_template(
     template: str, param: str, max_placeholders: int = Limits.max_placeholders
-) -> tuple[list[str | tuple[str]], Slot]:
-    """Literal text (str) and placeholders ((name,)) up to the slot, and the slot that ends the template."""
+) -> tuple[list[str | tuple[str]], Slot, str]:
+    """Literal text (str) and placeholders ((name,)) up to the slot, the slot, and the closing text after it
+    ("" when none; only an extraction slot may have one)."""
     parts: list[str | tuple[str]] = []
-    literal, names, pos = [], set(), 0
+    literal, names, pos, slot = [], set(), 0, None
     for match in _TEMPLATE_TOKEN.finditer(template):
         literal.append(template[pos : match.start()])
         pos, token = match.end(), match.group()
@@ -130,20 +140,36 @@ def parse_template(
                 param, f"unbalanced {token!r} at character {match.start()} (write {token * 2})"
             )
         elif token in _SLOTS:
-            if pos != len(template):
-                hint = " ({n} is the number slot: rename the placeholder)" if token == "{n}" else ""
-                raise _bad_template(param, f"exactly one slot, at the very end; found {token} earlier{hint}")
+            if slot is not None:
+                hint = " ({n} is the number slot: rename the placeholder)" if slot is Slot.NUMBER else ""
+                raise ScoringError(
+                    "too_many_slots", f"exactly one slot; found {token} after {slot.value}{hint}", param
+                )
             parts.append("".join(literal))
-            return [p for p in parts if p != ""], _SLOTS[token]
+            literal, slot = [], _SLOTS[token]
         elif _NAME.fullmatch(token[1:-1]):
+            if slot is not None:
+                raise _bad_template(param, f"placeholder {token} after the slot: the closing text is literal")
             parts += ["".join(literal), (token[1:-1],)]
             literal = []
             names.add(token[1:-1])
             if len(names) > max_placeholders:
                 raise _bad_template(param, f"at most {max_placeholders} distinct placeholders")
         else:
-            raise _bad_template(param, f"{token} is not a placeholder: names are letters, digits and _")
-    raise _bad_template(param, "the template must end with its slot: {?}, {*}, {n} or {$}")
+            raise ScoringError(
+                "unknown_slot",
+                f"{token} is neither a slot ({{?}}, {{*}}, {{n}}, {{$}}) nor a placeholder (letters, digits "
+                "and _)",
+                param,
+            )
+    if slot is None:
+        raise _bad_template(param, "the template needs one slot: {?}, {*}, {n} or {$}")
+    closing = "".join([*literal, template[pos:]])
+    if slot is Slot.SCORE and closing:
+        raise _bad_template(
+            param, "the {?} slot ends the template (its options follow it); found text after it"
+        )
+    return [p for p in parts if p != ""], slot, closing
 
 
 def _bad_template(param: str, message: str) -> ScoringError:
@@ -168,6 +194,9 @@ class _Spec:
     combinations: list[dict[str, str]]
     fills: list[str]  # the template filled with each combination, up to its slot
     options: list[str]
+    closing: str = ""  # an extraction slot's closing text
+    extract: Extract | None = None  # its settings, closing_ids not filled in yet
+    floor: bool = False  # an extraction slot asked on empty content too
 
 
 def _parse_queries(queries: list[api.Query], param: str, limits: Limits, taken: set[str]) -> list[_Spec]:
@@ -183,12 +212,52 @@ def _parse_queries(queries: list[api.Query], param: str, limits: Limits, taken: 
 
 
 def _parse_query(query: api.Query, param: str, limits: Limits) -> _Spec:
-    parts, slot = parse_template(query.template, param + ".template", limits.max_placeholders)
+    parts, slot, closing = parse_template(query.template, param + ".template", limits.max_placeholders)
     names = list(dict.fromkeys(p[0] for p in parts if isinstance(p, tuple)))
     combinations = _combinations(query, names, param, limits)
     options = _options(query.options, slot, param + ".options", limits)
     fills = [_fill(parts, values) for values in combinations]
-    return _Spec(query.id, slot, param, combinations, fills, options)
+    extract = _extraction(query, slot, param)
+    if extract is not None and not closing and parts and isinstance(parts[-1], str):
+        closing = _IMPLIED_CLOSING.get(parts[-1][-1], "")  # A: "{*} ends at the closing quote
+    return _Spec(query.id, slot, param, combinations, fills, options, closing, extract, bool(query.floor))
+
+
+# An extraction slot right after an opening quote or bracket, with no closing text of its own, ends at the
+# matching one: SPEC's `A: "{*}` asks for the text between the quotes.
+_IMPLIED_CLOSING = {'"': '"', "'": "'", "“": "”", "‘": "’", "«": "»", "(": ")", "[": "]", "`": "`"}
+
+
+_KINDS = {Slot.TEXT: "text", Slot.NUMBER: "number", Slot.AMOUNT: "amount"}
+_EXTRACTION_FIELDS = ("mode", "max_answers", "max_tokens", "floor")
+
+
+def _extraction(query: api.Query, slot: Slot, param: str) -> Extract | None:
+    """An extraction slot's settings from the query's fields (which a {?} query must not have)."""
+    if slot is Slot.SCORE:
+        for name in _EXTRACTION_FIELDS:
+            if getattr(query, name) is not None:
+                raise _invalid(
+                    f"{param}.{name}", f"{name} goes with an extraction slot ({{*}}, {{n}}, {{$}})"
+                )
+        return None
+    generate = query.mode == "generate"
+    if generate and query.max_answers is not None:
+        raise _invalid(
+            param + ".max_answers", 'a generated slot has one answer: max_answers goes with "search"'
+        )
+    max_answers = _in_range(query.max_answers, 5, SEARCH_WIDTH, param + ".max_answers")
+    bound = MAX_GENERATED_TOKENS if generate else MAX_ANSWER_TOKENS
+    max_tokens = _in_range(query.max_tokens, 64 if generate else 16, bound, param + ".max_tokens")
+    return Extract(_KINDS[slot], (), max_answers, max_tokens, generate)
+
+
+def _in_range(value: int | None, default: int, most: int, param: str) -> int:
+    if value is None:
+        return default
+    if not 1 <= value <= most:
+        raise ScoringError("out_of_range", f"{value} is out of range: 1 to {most}", param)
+    return value
 
 
 def _combinations(query: api.Query, names: list[str], param: str, limits: Limits) -> list[dict[str, str]]:
@@ -386,8 +455,23 @@ def _contexts(junction: str, options: list[str]) -> list[str]:
     return [junction[-1] if at_text and option.startswith(" ") else junction for option in options]
 
 
-def _build_query(spec: _Spec, ids: dict[str, tuple[int, ...]], needs_text: bool, limits: Limits) -> Query:
-    """Token-level checks of one query (option lengths, template lengths, option boundaries) → Query."""
+def _build_query(
+    spec: _Spec, ids: dict[str, tuple[int, ...]], needs_text: bool, empty_floor: bool, limits: Limits
+) -> Query:
+    """Token-level checks of one query (option lengths, template lengths, option boundaries, the closing
+    text's length) → Query."""
+    extract = spec.extract
+    if extract is not None:
+        closing_ids = ids[spec.closing] if spec.closing else ()
+        if len(closing_ids) > MAX_CLOSING_TOKENS:
+            raise ScoringError(
+                "closing_too_long",
+                f"the closing text {spec.closing!r} is {len(closing_ids)} tokens; at most "
+                f"{MAX_CLOSING_TOKENS}",
+                spec.param + ".template",
+            )
+        extract = replace(extract, closing_ids=closing_ids)
+    floor = spec.floor if extract is not None else empty_floor
     option_ids = tuple(ids[option] for option in spec.options)
     for j, (option, tokens) in enumerate(zip(spec.options, option_ids, strict=True)):
         if not tokens:
@@ -429,7 +513,9 @@ def _build_query(spec: _Spec, ids: dict[str, tuple[int, ...]], needs_text: bool,
                         f"{spec.param}.options[{j}]",
                     )
             checked.add(junction)
-        questions.append(Question(spec.id, values, template_ids, tuple(spec.options), option_ids))
+        questions.append(
+            Question(spec.id, values, template_ids, tuple(spec.options), option_ids, extract, floor)
+        )
     return Query(spec.id, spec.slot, tuple(questions))
 
 
@@ -439,6 +525,8 @@ def _tokenize(tokenizer, inputs: list[_Input], specs: list[_Spec]) -> dict[str, 
     for spec in specs:
         wanted.update(dict.fromkeys(spec.fills))
         wanted.update(dict.fromkeys(spec.options))
+        if spec.closing:
+            wanted[spec.closing] = None
         for junction in dict.fromkeys(map(_junction, spec.fills)):
             for context, option in zip(_contexts(junction, spec.options), spec.options, strict=True):
                 wanted[context] = wanted[context + option] = None
@@ -470,15 +558,13 @@ def compile_request(request: api.ScoreRequest, tokenizer, limits: Limits = Limit
                 item.param,
             )
     needs_text = not tokenizer.prefix()
-    queries = {id(spec): _build_query(spec, ids, needs_text, limits) for spec in used}
-
-    # Extraction slots ({*}, {n}, {$}) are parsed and validated above but the engine does not extract yet.
-    # This is the one place that refuses them: delete it when extraction lands.
-    for spec in shared + [spec for item in inputs for spec in item.specs]:
-        if spec.slot is not Slot.SCORE:
+    empty_floor = scoring.empty_floor is not False
+    queries = {id(spec): _build_query(spec, ids, needs_text, empty_floor, limits) for spec in used}
+    for spec in used:
+        if spec.slot in (Slot.NUMBER, Slot.AMOUNT) and not vocabulary(tokenizer).can_mask_numbers():
             raise ScoringError(
-                "not_supported",
-                f"extraction slots ({spec.slot.value}) are not supported yet; use a {{?}} slot with options",
+                "extraction_unsupported",
+                f"this model's tokenizer has no digit tokens to keep a {spec.slot.value} answer to a number",
                 spec.param + ".template",
             )
 
@@ -486,4 +572,4 @@ def compile_request(request: api.ScoreRequest, tokenizer, limits: Limits = Limit
         Content(item.input_id, ids[item.text], tuple(queries[id(spec)] for spec in item.specs), item.param)
         for item in inputs
     )
-    return CompiledRequest(request.model, contents, scoring.empty_floor is not False, pack_ids)
+    return CompiledRequest(request.model, contents, pack_ids)

@@ -27,7 +27,11 @@ CODES: dict[str, tuple[int, str]] = {
     "too_many_tokens": (400, "the request would process more than 2,000,000 tokens"),
     "unknown_pack": (400, "no prompt pack of that id is loaded"),
     "scoring_required": (400, "a chat completion without a scoring block: this server does not chat"),
-    "not_supported": (501, "extraction slots ({*}, {n}, {$}) are not built yet"),
+    "too_many_slots": (400, "a template with more than one slot"),
+    "unknown_slot": (400, "a {...} that is neither a slot ({?}, {*}, {n}, {$}) nor a placeholder name"),
+    "closing_too_long": (400, "an extraction slot's closing text of more than 16 tokens"),
+    "out_of_range": (400, "max_answers (1-8) or max_tokens (1-32 searched, 1-128 generated) out of range"),
+    "extraction_unsupported": (400, "a {n} or {$} slot on a model whose tokenizer has no digit tokens"),
     # Access, routing and the server's state
     "invalid_api_key": (401, "missing or wrong API key"),
     "model_not_found": (404, "the model named is not served here"),

@@ -19,10 +19,12 @@ import msgspec
 import numpy as np
 
 from spinf_jax import api
+from spinf_jax.answers import parse_amount, parse_number
 from spinf_jax.compiler import CompiledRequest, Limits, Question, compile_request
 from spinf_jax.decoding import convert
 from spinf_jax.errors import ScoringError
-from spinf_jax.layout import QuestionKey, Tree, build_tree
+from spinf_jax.extraction import Decoded
+from spinf_jax.layout import Extract, QuestionKey, Tree, build_tree
 from spinf_jax.packer import content_trees
 
 if TYPE_CHECKING:
@@ -68,18 +70,17 @@ class Scorer:
         prefix = tokenizer.prefix()
         trees, owners, wanted = [], [], {}
         for c, content in enumerate(request.contents):
-            keys = [question_key(q) for query in content.queries for q in query.questions]
+            questions = [q for query in content.queries for q in query.questions]
+            keys = list(map(question_key, questions))
             try:
                 chunks = content_trees(prefix, list(content.content_ids), keys, self.engine.buckets)
             except ValueError as e:
                 raise ScoringError("question_too_large", str(e), content.param) from e
             trees += budget.spend(tree for tree, _ in chunks)
             owners += [c] * len(chunks)
-            wanted |= dict.fromkeys(keys)
-        floors, missing = {}, []
-        if request.empty_floor:
-            floors = self.engine.cached_floors(wanted)
-            missing = [k for k in wanted if k not in floors]
+            wanted |= dict.fromkeys(key for key, q in zip(keys, questions, strict=True) if q.floor)
+        floors = self.engine.cached_floors(wanted)
+        missing = [k for k in wanted if k not in floors]
         trees += budget.spend(build_tree(prefix, [], [k]) for k in missing)
         return Plan(request, trees, owners, missing, floors)
 
@@ -88,30 +89,35 @@ class Scorer:
         n = len(plan.owners)
         floors = dict(plan.floors)
         for key, result in zip(plan.floor_keys, scored[n:], strict=True):
-            floors[key] = result.option_logprobs(0)
+            floors[key] = _question_results(result)[0]
             self.engine.remember_floor(key, floors[key])
         by_content = plan.trees[:n]
         usage = api.TokenDetails(
             content_tokens=sum(t.trunk_tokens for t in by_content),
             query_tokens=sum(len(t) - t.trunk_tokens for t in by_content),
             floor_tokens=sum(len(t) for t in plan.trees[n:]),
+            decode_tokens=sum(result.decode_tokens for result in scored),
         )
-        per_content: list[list[np.ndarray]] = [[] for _ in plan.request.contents]
+        per_content: list[list] = [[] for _ in plan.request.contents]
         for c, result in zip(plan.owners, scored[:n], strict=True):
-            per_content[c] += [result.option_logprobs(i) for i in range(len(result.tree.options))]
+            per_content[c] += _question_results(result)
         return self._respond(plan.request, per_content, floors, usage)
 
     def _respond(
         self, request: CompiledRequest, per_content, floors, usage: api.TokenDetails
     ) -> api.ScoreResponse:
         results, warnings = [], []
-        for content, logprobs in zip(request.contents, per_content, strict=True):
+        for content, answered in zip(request.contents, per_content, strict=True):
             queries, i = [], 0
             for query in content.queries:
                 combinations = []
                 for q in query.questions:
-                    floor = floors.get(question_key(q)) if request.empty_floor else None
-                    combo = _scored_combination(q, logprobs[i], floor)
+                    floor = floors.get(question_key(q)) if q.floor else None
+                    if q.extract is not None:
+                        combinations.append(self._extracted(q, answered[i], floor))
+                        i += 1
+                        continue
+                    combo = _scored_combination(q, answered[i], floor)
                     i += 1
                     combinations.append(combo)
                     mass = 1.0 - combo.residual
@@ -139,6 +145,15 @@ class Scorer:
             usage=api.Usage(prompt_tokens=tokens, prompt_tokens_details=usage),
         )
 
+    def _extracted(self, q: Question, decoded: list[Decoded], floor) -> api.CombinationResult:
+        answers, residual = _answers(decoded, q.extract, self.engine.model.tokenizer)
+        combo = api.CombinationResult(values=dict(q.values), answers=answers, residual=residual)
+        if floor is not None:
+            combo.floor_answers, combo.floor_residual = _answers(
+                floor, q.extract, self.engine.model.tokenizer
+            )
+        return combo
+
 
 class _TokenBudget:
     """The processed-token limit of one request, charged as its trees are built: the one place that checks
@@ -162,7 +177,46 @@ class _TokenBudget:
 
 
 def question_key(q: Question) -> QuestionKey:
-    return QuestionKey(tuple(q.template_ids), tuple(tuple(o) for o in q.option_ids))
+    return QuestionKey(tuple(q.template_ids), tuple(tuple(o) for o in q.option_ids), q.extract)
+
+
+def _question_results(result: "Scored") -> list:
+    """Per question of a scored tree, in order: its options' log-probs, or its slot's decoded answers."""
+    answers = {
+        slot.question: decoded for slot, decoded in zip(result.tree.slots, result.answers, strict=True)
+    }
+    return [
+        answers[i] if i in answers else result.option_logprobs(i) for i in range(len(result.tree.options))
+    ]
+
+
+def _answers(decoded: list[Decoded], extract: Extract, tokenizer) -> tuple[list[api.Answer], float]:
+    """The listed answers of a slot: the most likely first, one per text (the best way of writing it), those
+    of a {n} or {$} slot only where a number can be read, up to max_answers (one generated); with the mass
+    they leave (1 - Σ exp(logprob), clamped at 0)."""
+    kept, seen = [], set()
+    wanted = 1 if extract.generate else extract.max_answers
+    for d in decoded:
+        text = tokenizer.decode(list(d.tokens)).strip()
+        if not text or text in seen:
+            continue
+        seen.add(text)
+        answer = api.Answer(text=text, p=0.0, logprob=d.logprob)
+        if extract.kind == "number":
+            answer.value = parse_number(text)
+        elif extract.kind == "amount":
+            answer.value, answer.currency = parse_amount(text)
+        if extract.kind != "text" and answer.value is None:
+            continue
+        kept.append(answer)
+        if len(kept) == wanted:
+            break
+    if not kept:
+        return [], 1.0
+    p, residual = _distribution(np.array([a.logprob for a in kept]))
+    for answer, pi in zip(kept, p, strict=True):
+        answer.p = float(pi)
+    return kept, residual
 
 
 def _distribution(logprobs: np.ndarray) -> tuple[np.ndarray, float]:

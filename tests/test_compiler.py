@@ -2,11 +2,14 @@
 
 import copy
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spinf_jax import compiler
+from spinf_jax.answers import Vocabulary
 from spinf_jax.api import Message, ScoreRequest
 from spinf_jax.compiler import (
     CompiledRequest,
@@ -18,6 +21,7 @@ from spinf_jax.compiler import (
     render_content,
 )
 from spinf_jax.decoding import convert
+from spinf_jax.layout import Extract
 from spinf_jax.loader import open_checkpoint, resolve
 from spinf_jax.tokenizer import Tokenizer
 from tests.spec_example import SPEC_REQUEST as SPEC_EXAMPLE
@@ -80,7 +84,8 @@ def test_spec_example_compiles(gemma):
     body = copy.deepcopy(SPEC_EXAMPLE)
     del body["packs"], body["scoring"]["queries"][3]
     request = compile_body(body, gemma)
-    assert (request.model, request.empty_floor, request.pack_ids) == ("spinf/gemma-4-12b-fp8", True, ())
+    assert (request.model, request.pack_ids) == ("spinf/gemma-4-12b-fp8", ())
+    assert all(q.floor for q in _questions(request))
     (content,) = request.contents
     assert content.input_id == "0"
     assert content.content_ids == tuple(gemma.encode(body["messages"][0]["content"]))
@@ -106,14 +111,42 @@ def test_spec_example_compiles(gemma):
             assert gemma.encode(text + option) == list(question.template_ids + ids)
 
 
-def test_spec_example_with_extraction_is_not_supported_yet(gemma):
-    error = _raises(SPEC_EXAMPLE, gemma)
-    assert (error.code, error.status, error.param) == ("not_supported", 501, "scoring.queries[3].template")
+def test_spec_example_extraction_ends_at_the_implied_closing_quote(gemma):
+    [month] = [q for q in compile_body(SPEC_EXAMPLE, gemma).contents[0].queries if q.id == "month"]
+    [question] = month.questions
+    assert month.slot is Slot.TEXT and question.options == () and not question.floor
+    assert question.extract == Extract("text", tuple(gemma.encode('"')), max_answers=5, max_tokens=16)
+    assert gemma.decode(list(question.template_ids)).endswith('A: "')
 
 
-def test_extraction_errors_come_before_not_supported(gemma):
+def test_extraction_settings_and_closing_text(gemma):
+    queries = [
+        {"id": "a", "template": "Total:{$} (total)", "max_answers": 8, "floor": True},
+        {"id": "b", "template": "Count:{n}", "max_tokens": 4},
+        {"id": "c", "template": "Say: '{*}", "mode": "generate"},
+        {"id": "d", "template": "Say: {{{*}}}"},
+    ]
+    contents = compile_body(req(*queries), gemma).contents[0]
+    a, b, c, d = (query.questions[0] for query in contents.queries)
+    assert a.extract == Extract("amount", tuple(gemma.encode(" (total)")), 8, 16) and a.floor
+    assert b.extract == Extract("number", (), 5, 4) and not b.floor
+    assert c.extract == Extract("text", tuple(gemma.encode("'")), 5, 64, generate=True)
+    assert (
+        d.extract.closing_ids == tuple(gemma.encode("}")) and gemma.decode(list(d.template_ids)) == "Say: {"
+    )
+
+
+def test_options_with_an_extraction_slot_are_refused(gemma):
     error = _raises(req(YES_NO, {"id": "m", "template": "A:{n}", "options": [" 1"]}), gemma)
     assert (error.code, error.param) == ("invalid_request", "scoring.queries[1].options")
+
+
+def test_number_slots_need_digit_tokens(gemma, monkeypatch):
+    no_digits = Vocabulary.anything(8)
+    monkeypatch.setattr(compiler, "vocabulary", lambda tokenizer: replace(no_digits, digits=frozenset("12")))
+    error = _raises(req({"id": "n", "template": "Count:{n}"}), gemma)
+    assert (error.code, error.param) == ("extraction_unsupported", "scoring.queries[0].template")
+    assert compile_body(req({"id": "t", "template": "Name:{*}"}), gemma).contents[0].queries[0].id == "t"
 
 
 def test_packs(gemma):
@@ -127,8 +160,9 @@ def test_defaults_and_ignored_fields(gemma):
     body = req(YES_NO, temperature=0.2, stream=True, n=3, model=None)
     body["scoring"]["empty_floor"] = False
     request = compile_body(body, gemma)
-    assert (request.model, request.empty_floor, request.pack_ids) == (None, False, ())
-    assert compile_body(req(YES_NO), gemma).empty_floor is True
+    assert (request.model, request.pack_ids) == (None, ())
+    assert not any(q.floor for q in _questions(request))
+    assert all(q.floor for q in _questions(compile_body(req(YES_NO), gemma)))
 
 
 def test_content_rendering():
@@ -168,8 +202,8 @@ def test_grid_without_placeholders_is_the_one_empty_combination(gemma):
 
 
 def test_literal_braces(gemma):
-    parts, slot = parse_template("{{x}} is {y} {{{z}}}:{$}", "t")
-    assert (parts, slot) == (["{x} is ", ("y",), " {", ("z",), "}:"], Slot.AMOUNT)
+    parts, slot, closing = parse_template("{{x}} is {y} {{{z}}}:{$}", "t")
+    assert (parts, slot, closing) == (["{x} is ", ("y",), " {", ("z",), "}:"], Slot.AMOUNT, "")
     query = q(template="{{x}} is {y} {{{z}}}:{?}", combinations=[{"y": "1", "z": "2"}])
     question = compile_body(req(query), gemma).contents[0].queries[0].questions[0]
     assert question.template_ids == tuple(gemma.encode("{x} is 1 {2}:"))
@@ -349,16 +383,16 @@ CASES = [
     (req(q(template="Answer:")), "invalid_template", Q0 + ".template"),
     (req(q(template="")), "invalid_template", Q0 + ".template"),
     (req(q(template="{?} Answer:")), "invalid_template", Q0 + ".template"),
-    (req(q(template="A:{?}{?}")), "invalid_template", Q0 + ".template"),
-    (req(q(template="A:{*}{?}")), "invalid_template", Q0 + ".template"),
+    (req(q(template="A:{?}{?}")), "too_many_slots", Q0 + ".template"),
+    (req(q(template="A:{*}{?}")), "too_many_slots", Q0 + ".template"),
     (req(q(template="A:{?}\n")), "invalid_template", Q0 + ".template"),
     (req(q(template="A { B:{?}")), "invalid_template", Q0 + ".template"),
     (req(q(template="A } B:{?}")), "invalid_template", Q0 + ".template"),
     (req(q(template="A:{?}}")), "invalid_template", Q0 + ".template"),
-    (req(q(template="{my name}:{?}")), "invalid_template", Q0 + ".template"),
-    (req(q(template="{1x}:{?}")), "invalid_template", Q0 + ".template"),
-    (req(q(template="{}:{?}")), "invalid_template", Q0 + ".template"),
-    (req(q(template="{n} things:{?}")), "invalid_template", Q0 + ".template"),
+    (req(q(template="{my name}:{?}")), "unknown_slot", Q0 + ".template"),
+    (req(q(template="{1x}:{?}")), "unknown_slot", Q0 + ".template"),
+    (req(q(template="{}:{?}")), "unknown_slot", Q0 + ".template"),
+    (req(q(template="{n} things:{?}")), "too_many_slots", Q0 + ".template"),
     (req(q(template="{a}{b}{c}{d}{e}{f}:{?}")), "invalid_template", Q0 + ".template"),
     (req(q(template=LONG + "{?}")), "template_too_long", Q0 + ".template"),
     (req(q(template="{x}{?}", combinations=[{"x": "A:"}, {"x": LONG}])), "template_too_long",
@@ -406,8 +440,24 @@ CASES = [
     (req(q(options=[" yes", " no", " YES"])), "duplicate_option", Q0 + ".options[2]"),
     (req(q(template="Answer: {?}")), "option_boundary", Q0 + ".options[0]"),
     (req(q(template="A: {*}")), "invalid_request", Q0 + ".options"),
-    (req(q(template="A: {*}", options=None)), "not_supported", Q0 + ".template"),
-    (req(q(template="Total: {$}", options=None)), "not_supported", Q0 + ".template"),
+    # slots
+    (req(q(template='A: "{*}" or {?}', options=None)), "too_many_slots", Q0 + ".template"),
+    (req(q(template="{n} items:{?}")), "too_many_slots", Q0 + ".template"),
+    (req(q(template="A:{#}", options=None)), "unknown_slot", Q0 + ".template"),
+    (req(q(template="A:{?} yes")), "invalid_template", Q0 + ".template"),
+    (req(q(template="A:{*} {x}", options=None)), "invalid_template", Q0 + ".template"),
+    (req(q(template="A:{*}" + " word" * 17, options=None)), "closing_too_long", Q0 + ".template"),
+    (req(q(template="A:{*}", options=None, max_answers=9)), "out_of_range", Q0 + ".max_answers"),
+    (req(q(template="A:{*}", options=None, max_answers=0)), "out_of_range", Q0 + ".max_answers"),
+    (req(q(template="A:{n}", options=None, max_tokens=33)), "out_of_range", Q0 + ".max_tokens"),
+    (req(q(template="A:{*}", options=None, mode="generate", max_tokens=129)), "out_of_range",
+     Q0 + ".max_tokens"),
+    (req(q(template="A:{*}", options=None, mode="generate", max_answers=2)), "invalid_request",
+     Q0 + ".max_answers"),
+    (req(q(template="A:{*}", options=None, mode="beam")), "invalid_request", Q0 + ".mode"),
+    (req(q(template="A:{*}", options=None, max_answers="5")), "invalid_request", Q0 + ".max_answers"),
+    (req(q(max_tokens=3)), "invalid_request", Q0 + ".max_tokens"),
+    (req(q(floor=True)), "invalid_request", Q0 + ".floor"),
     # inputs
     (inputs(), "invalid_request", "inputs"),
     ({"inputs": {"messages": msg()}, "scoring": {"queries": [YES_NO]}}, "invalid_request", "inputs"),
@@ -441,7 +491,7 @@ CASES = [
 def test_errors(gemma, body, code, param):
     error = _raises(body, gemma)
     assert (error.code, error.param) == (code, param), error.message
-    assert error.status == (501 if code == "not_supported" else 400)
+    assert error.status == 400
     assert error.message
 
 
@@ -512,7 +562,7 @@ KNOWN_CODES = {
     "invalid_request", "invalid_template", "unknown_placeholder", "too_many_combinations", "invalid_option",
     "option_too_long", "too_many_options", "duplicate_option", "option_boundary", "template_too_long",
     "unsupported_content", "content_too_long", "too_many_questions", "too_many_inputs", "unknown_query",
-    "not_supported",
+    "too_many_slots", "unknown_slot", "closing_too_long", "out_of_range",
 }  # fmt: skip
 
 

@@ -2,11 +2,14 @@
 
 import ast
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from litestar.testing import TestClient
 
+from spinf_jax import compiler
+from spinf_jax.answers import vocabulary
 from spinf_jax.compiler import Limits
 from spinf_jax.errors import CODES, ScoringError
 from spinf_jax.scoring import Scorer
@@ -57,7 +60,7 @@ def test_docs_list_exactly_the_defined_codes_with_their_status():
 def test_an_undefined_code_cannot_be_raised():
     with pytest.raises(ValueError, match="not defined"):
         ScoringError("made_up_code", "no such code")
-    assert ScoringError("not_supported", "later").status == 501
+    assert ScoringError("warming_up", "later").status == 503
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -106,7 +109,10 @@ REQUESTS = {
     "unknown_query": (_inputs({"messages": MESSAGES, "query_ids": ["nope"]}), {}),
     "too_many_tokens": (_body(), {"max_request_tokens": 5}),
     "unknown_pack": (_body(packs=[{"id": "spinf/moderation"}]), {}),
-    "not_supported": (_body({"id": "m", "template": 'Which month?\nA: "{*}'}), {}),
+    "too_many_slots": (_body({"id": "m", "template": 'A: "{*}" or {?}'}), {}),
+    "unknown_slot": (_body({"id": "m", "template": "A:{#}"}), {}),
+    "closing_too_long": (_body({"id": "m", "template": "A:{*}" + " word" * 17}), {}),
+    "out_of_range": (_body({"id": "m", "template": "A:{*}", "max_answers": 9}), {}),
 }
 
 
@@ -175,6 +181,13 @@ def test_server_codes_are_reachable(client, monkeypatch):
     loading.failure = "FileNotFoundError: no model"
     with pytest.raises(ScoringError) as e:
         loading.require_ready()
+    reached.add(e.value.code)
+
+    # A {n} slot on a model whose tokenizer spells no digits (ours all do: pretend one does not).
+    no_digits = replace(vocabulary(server.engine.model.tokenizer), digits=frozenset())
+    monkeypatch.setattr(compiler, "vocabulary", lambda tokenizer: no_digits)
+    with pytest.raises(ScoringError) as e:
+        Scorer(server.engine).plan(_body({"id": "n", "template": "A:{n}"}))
     reached.add(e.value.code)
 
     unreached = set(CODES) - set(REQUESTS) - reached

@@ -113,6 +113,38 @@ def test_default_model_same_bits_however_a_question_is_asked(default_url):
             assert value == seen.setdefault(key, value), (how, key)
 
 
+def test_extraction_over_http_and_the_openai_sdk(default_url):
+    """SPEC's example slot (`A: "{*}`, which ends at the implied closing quote) and a number, over /v1/score
+    and through the OpenAI SDK's extra_body; the same answers both ways and when the slot is asked alone."""
+    month = {"id": "month", "template": '\n\nQ: Which month was charged twice?\nA: "{*}'}
+    refund = {"id": "refund", "template": "\n\nIs the customer asking for a refund?\nAnswer:{?}",
+              "options": [" yes", " no"]}  # fmt: skip
+    messages = [{"role": "user", "content": "Customer support message:\nI was charged twice for September."}]
+    scoring = {"queries": [refund, month]}
+    r = httpx.post(f"{default_url}/v1/score", json={"messages": messages, "scoring": scoring}, timeout=300)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    answers = body["results"][0]["queries"][1]["combinations"][0]["answers"]
+    assert answers[0]["text"] == "September" and {"text", "logprob", "p"} <= set(answers[0])
+    decode_tokens = body["usage"]["prompt_tokens_details"]["decode_tokens"]
+    assert decode_tokens > 0
+    client = openai.OpenAI(base_url=f"{default_url}/v1", api_key="unused")
+    completion = client.chat.completions.create(
+        model="spinf/gemma-3-270m", messages=messages, extra_body={"scoring": {"queries": [month]}}
+    )
+    extra = completion.model_extra
+    assert extra["results"][0]["queries"][0]["combinations"][0]["answers"] == answers
+    assert completion.usage.completion_tokens > 0
+    assert (
+        completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+    )
+    bad = {"messages": messages, "scoring": {"queries": [{**month, "max_answers": 12}]}}
+    _error(
+        httpx.post(f"{default_url}/v1/score", json=bad), 400, "out_of_range", "scoring.queries[0].max_answers"
+    )
+    assert httpx.get(f"{default_url}/health").status_code == 200
+
+
 def _error(response, status, code, param=None):
     assert response.status_code == status, response.text
     body = response.json()

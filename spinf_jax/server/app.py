@@ -228,7 +228,8 @@ async def chat_completions(request: Request, data: JSONBody[api.ChatCompletionRe
         usage=api.ChatUsage(
             prompt_tokens=usage.prompt_tokens,
             prompt_tokens_details=usage.prompt_tokens_details,
-            total_tokens=usage.prompt_tokens,
+            completion_tokens=usage.prompt_tokens_details.decode_tokens,
+            total_tokens=usage.prompt_tokens + usage.prompt_tokens_details.decode_tokens,
         ),
     )
 

@@ -3,6 +3,9 @@ Hugging Face transformers (PyTorch). References are produced by fixtures/record_
 
 The prompts go through the program the server runs: the engine's bucketed pass (the largest of the
 backend's default buckets), each prompt a tree read at every position, packed with the fixture's others.
+
+Extraction parity decodes recorded prompts at an extraction slot (spinf_jax.extraction) and compares with
+transformers' greedy and beam-search continuations of them (`extraction_run`).
 """
 
 import gzip
@@ -13,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from spinf_jax.engine import Engine
+from spinf_jax.layout import Extract, QuestionKey, build_tree
 from spinf_jax.loader import Model, load_model
 from spinf_jax.packer import Buckets, default_sizes, read_trees
 
@@ -164,20 +168,27 @@ def run(
     )
 
 
-def manifest(path: Path = MANIFEST) -> list[dict]:
-    return json.loads(Path(path).read_text())["fixtures"]
+def manifest(path: Path = MANIFEST, section: str = "fixtures") -> list[dict]:
+    """The manifest's entries: "fixtures" (log-probs at every position) or "extraction" (decoded answers)."""
+    return json.loads(Path(path).read_text())[section]
 
 
 def run_all(passes: int = 1, path: Path = MANIFEST, only: str | None = None, name: str | None = None):
-    """Every manifest entry (or those whose name contains `only`, or the one called `name`); models shared
-    between entries of the same (model, precision) load once."""
+    """Every manifest entry, log-prob fixtures then extraction ones (or those whose name contains `only`, or
+    the one called `name`); models shared between entries of the same (model, precision) load once."""
     loaded: dict[tuple[str, str], Model] = {}
-    for entry in manifest(path):
-        if (only and only not in entry["name"]) or (name and name != entry["name"]):
-            continue
+
+    def model_of(entry: dict) -> Model:
+        nonlocal loaded
         key = (entry["model"], entry["precision"])
         model = loaded.get(key) or load_model(_repo_path(entry["model"]), entry["precision"])
         loaded = {key: model}  # keep only the current model resident
+        return model
+
+    def chosen(entry: dict) -> bool:
+        return not ((only and only not in entry["name"]) or (name and name != entry["name"]))
+
+    for entry in filter(chosen, manifest(path)):
         yield run(
             entry["model"],
             REPO / entry["reference"],
@@ -187,10 +198,135 @@ def run_all(passes: int = 1, path: Path = MANIFEST, only: str | None = None, nam
             min_top1=entry.get("min_top1"),
             passes=passes,
             name=entry["name"],
-            model=model,
+            model=model_of(entry),
+        )
+    for entry in filter(chosen, manifest(path, "extraction")):
+        reference = read_reference(REPO / entry["reference"])
+        yield extraction_compare(
+            model_of(entry),
+            reference,
+            tolerance=entry["tolerance"],
+            min_agree=entry["min_agree"],
+            name=entry["name"],
         )
 
 
 def _repo_path(spec: str) -> str:
     """Manifest model specs are built-in names or paths relative to the repository."""
     return str(REPO / spec) if (REPO / spec).exists() else spec
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Extraction
+
+
+@dataclass
+class ExtractionParity:
+    name: str
+    precision: str
+    answers: int  # decoded answers compared with a recorded sequence
+    max_abs_per_token: float  # max over those of |our log-prob - the reference's| / tokens
+    greedy_tokens: int  # tokens of our generated answers compared with transformers' greedy continuation
+    greedy_agree: float  # the share of them that are equal (the rest of a prompt counts once paths part)
+    top_is_greedy: float  # prompts whose greedy continuation closes: share where our top answer is it
+    tolerance: float  # bound on max_abs_per_token
+    min_agree: float  # bound on greedy_agree and top_is_greedy
+    tokenizer_ok: bool | None
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.max_abs_per_token <= self.tolerance
+            and self.answers > 0
+            and min(self.greedy_agree, self.top_is_greedy) >= self.min_agree
+            and self.tokenizer_ok is not False
+        )
+
+    def line(self) -> str:
+        tokenizer = (
+            "" if self.tokenizer_ok is None else f" tokenizer {'ok' if self.tokenizer_ok else 'MISMATCH'}"
+        )
+        return (
+            f"{'PASS' if self.ok else 'FAIL'} {self.name} [{self.precision}] extraction: {self.answers} "
+            f"answers, max |Δ| per token {self.max_abs_per_token:.3g} (≤ {self.tolerance:g}); greedy tokens "
+            f"{self.greedy_agree:.3f} of {self.greedy_tokens}, top answer = greedy {self.top_is_greedy:.3f} "
+            f"(≥ {self.min_agree:g}){tokenizer}"
+        )
+
+
+def _recorded(prompt: dict) -> list[tuple[tuple[int, ...], list[float]]]:
+    """The reference's sequences: greedy, then the beams (token ids, per-token log-probs)."""
+    return [(tuple(s["ids"]), s["logprobs"]) for s in (prompt["greedy"], *prompt["beams"])]
+
+
+def _reference_logprob(recorded, tokens: tuple[int, ...]) -> float | None:
+    """The reference's log-prob of a token sequence that starts one of its recorded sequences, or None."""
+    for ids, logprobs in recorded:
+        if ids[: len(tokens)] == tokens:
+            return float(np.sum(logprobs[: len(tokens)], dtype=np.float64))
+    return None
+
+
+def extraction_compare(
+    model: Model, ref: dict, *, tolerance: float, min_agree: float, name: str
+) -> ExtractionParity:
+    """Decode every recorded prompt twice (a searched slot and a generated one) with the program the server
+    runs, and compare:
+    - our generated answer with transformers' greedy continuation, token by token up to the end of ours
+      (and its closing text), as far as the reference goes;
+    - every answer (searched or generated) that ends in a closing text or at its length bound, and that
+      starts a recorded sequence, with the sum of that sequence's recorded log-probs. A {n} or {$} answer
+      that ends where a non-number follows is left out of this: its end is a mass, not a token;
+    - where the greedy continuation reaches the closing text, our most likely searched answer with it."""
+    tok = model.tokenizer
+    prompts = ref["prompts"]
+    tokenizer_ok = None
+    if tok is not None and any(p["content"] is not None for p in prompts):
+        tokenizer_ok = all(
+            tok.encode(p["content"]) == p["content_ids"] and tok.encode(p["template"]) == p["template_ids"]
+            for p in prompts
+        )
+    engine = Engine(model, Buckets(default_sizes()[:1]))
+    trees = []
+    for p in prompts:
+        closing = tuple(tok.encode(p["closing"])) if p["closing"] else ()
+        n, m = len(p["greedy"]["ids"]), len(p["beams"][0]["ids"])
+        template = tuple(p["template_ids"])
+        searched = Extract(p["kind"], closing, max_answers=8, max_tokens=m)
+        generated = Extract(p["kind"], closing, max_tokens=n, generate=True)
+        questions = [QuestionKey(template, extract=searched), QuestionKey(template, extract=generated)]
+        trees.append(build_tree(p["prefix_ids"], p["content_ids"], questions))
+    scored = engine.score_trees(trees)
+    gaps, compared, agreed, tops = [], 0, 0, []
+    for p, result in zip(prompts, scored, strict=True):
+        recorded = _recorded(p)
+        closing = tuple(tok.encode(p["closing"])) if p["closing"] else ()
+        searched, [generated] = result.answers
+        greedy = tuple(p["greedy"]["ids"])
+        ours = (generated.tokens + closing)[: len(greedy)]
+        same = next((i for i, (a, b) in enumerate(zip(ours, greedy, strict=False)) if a != b), len(ours))
+        compared, agreed = compared + min(same + 1, len(ours)), agreed + same
+        ends_in_a_token = bool(closing) or p["kind"] == "text"
+        for answer, limit in [(a, len(p["beams"][0]["ids"])) for a in searched] + [(generated, len(greedy))]:
+            at_bound = len(answer.tokens) == limit and not closing
+            if not (ends_in_a_token or at_bound):
+                continue
+            full = answer.tokens + (closing if closing or at_bound else ())
+            expected = _reference_logprob(recorded, full)
+            if expected is not None:
+                gaps.append(abs(answer.logprob - expected) / len(full))
+        cut = greedy.index(closing[0]) if closing and closing[0] in greedy else -1
+        if cut >= 0 and greedy[cut : cut + len(closing)] == closing:
+            tops.append(bool(searched) and searched[0].tokens == greedy[:cut])
+    return ExtractionParity(
+        name=name,
+        precision=model.precision.value,
+        answers=len(gaps),
+        max_abs_per_token=float(max(gaps, default=0.0)),
+        greedy_tokens=compared,
+        greedy_agree=agreed / max(compared, 1),
+        top_is_greedy=float(np.mean(tops)) if tops else 1.0,
+        tolerance=tolerance,
+        min_agree=min_agree,
+        tokenizer_ok=tokenizer_ok,
+    )

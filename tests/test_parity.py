@@ -8,6 +8,7 @@ from spinf_jax import parity
 from spinf_jax.cli import main
 
 ENTRIES = parity.manifest()
+EXTRACTION = parity.manifest(section="extraction")
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e["name"] for e in ENTRIES])
@@ -19,6 +20,15 @@ def test_manifest_entry(entry):
     assert result.bit_identical
     if result.tokenizer_ok is not None:
         assert result.tokenizer_ok
+
+
+@pytest.mark.parametrize("entry", EXTRACTION, ids=[e["name"] for e in EXTRACTION])
+def test_extraction_entry(entry):
+    """Decoded answers against transformers' greedy and beam-search continuations (issue 14)."""
+    [result] = parity.run_all(name=entry["name"])
+    print(result.line())
+    assert result.ok, result.line()
+    assert result.answers >= len(parity.read_reference(parity.REPO / entry["reference"])["prompts"])
 
 
 def test_cli_fails_beyond_tolerance(capsys):

@@ -1,5 +1,6 @@
 """What the benchmarks share: the seed job, the real model shapes, and a timer."""
 
+import argparse
 import json
 import math
 import statistics
@@ -57,6 +58,18 @@ class SyntheticCheckpoint:
     def get(self, name: str) -> np.ndarray:
         shape = self.shapes[name]
         return np.resize(self.pattern, shape)  # speed and memory do not depend on the values
+
+
+def engine_args(doc: str) -> argparse.Namespace:
+    """The command line of the scripts that run the engine at the 12B shape: the Gemma 3 tokenizer file,
+    the precision, the bucket sizes, repeats per timing and the output folder."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--precision", default="fp8")
+    parser.add_argument("--buckets", default="4096,16384")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=".")
+    return parser.parse_args()
 
 
 def seed_job() -> dict:

@@ -7,7 +7,6 @@ the tokenizer is Gemma 3's (its vocabulary is the 12B model's). Run on the GPU m
     python3 benchmarks/gpu_engine.py --tokenizer gemma3-tokenizer.json --out $OUT
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -23,6 +22,7 @@ from common import (
     GEMMA3_12B,
     SyntheticCheckpoint,
     companions_agree,
+    engine_args,
     gemm_peaks,
     linear_params,
     seed_job,
@@ -92,13 +92,7 @@ def check_fp8(results: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokenizer", required=True)
-    parser.add_argument("--precision", default="fp8")
-    parser.add_argument("--buckets", default="4096,16384")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=".")
-    args = parser.parse_args()
+    args = engine_args(__doc__)
     results = {
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,

@@ -13,7 +13,6 @@ one content or question token takes in the seed job's scoring, measured in the s
     python3 benchmarks/gpu_extraction.py --tokenizer gemma3-tokenizer.json --out $OUT
 """
 
-import argparse
 import json
 import statistics
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import tokenizers
-from common import GEMMA3_12B, SyntheticCheckpoint, seed_job, seed_request
+from common import GEMMA3_12B, SyntheticCheckpoint, engine_args, seed_job, seed_request
 
 from spinf_jax.engine import Engine
 from spinf_jax.layout import Extract, QuestionKey, build_tree
@@ -51,13 +50,7 @@ def median_seconds(fn, repeats: int) -> tuple[float, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokenizer", required=True)
-    parser.add_argument("--precision", default="fp8")
-    parser.add_argument("--buckets", default="4096,16384")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=".")
-    args = parser.parse_args()
+    args = engine_args(__doc__)
     results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,8 @@ token, or the mass of the tokens that cannot continue a number).
 
 The search here is plain Python over numpy: what the device gives it per hypothesis is the log-probabilities
 of its most likely allowed next tokens (CANDIDATES of them), of one forced token, and of everything outside
-the slot's kind of tokens. Every decision is made
-per slot from that slot's own numbers, so a slot's answers do not depend on what it is decoded with.
+the slot's kind of tokens. Every decision is made per slot from that slot's own numbers, so a slot's answers
+do not depend on what it is decoded with.
 """
 
 from dataclasses import dataclass, field

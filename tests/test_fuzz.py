@@ -80,6 +80,8 @@ def from_schema(node: dict, components: dict) -> st.SearchStrategy:
         return st.deferred(lambda: from_schema(components[name], components))
     if "const" in node:
         return st.just(node["const"])
+    if "enum" in node:  # a Literal, such as a query's mode (with null where it is optional)
+        return st.sampled_from(node["enum"])
     if "oneOf" in node:  # Litestar writes minItems and minLength beside the arms
         shared = {k: v for k, v in node.items() if k in ("minItems", "minLength")}
         return st.one_of([from_schema(shared | arm, components) for arm in node["oneOf"]])
@@ -217,8 +219,17 @@ messages = st.lists(
     min_size=1,
     max_size=2,
 )
+# Extraction slots too (short ones: each decodes), so that random contents reach the decode steps.
+SLOTS = [
+    {"id": "month", "template": '\n\nQ: Which month?\nA: "{*}', "max_answers": 2, "max_tokens": 3},
+    {"id": "count", "template": "\n\nQ: How many?\nA:{n}", "mode": "generate", "max_tokens": 3},
+]
 scoring = st.fixed_dictionaries(
-    {"queries": st.lists(st.sampled_from(QUERY_POOL), min_size=1, max_size=2, unique_by=lambda q: q["id"])},
+    {
+        "queries": st.lists(
+            st.sampled_from(QUERY_POOL + SLOTS), min_size=1, max_size=2, unique_by=lambda q: q["id"]
+        )
+    },
     optional={"empty_floor": st.booleans()},
 )
 inputs = st.lists(st.fixed_dictionaries({"messages": messages}), min_size=1, max_size=2)

@@ -1,5 +1,7 @@
-"""The engine: token trees in, log-probabilities out. It packs trees into bucketed passes, runs one compiled
-program per bucket, and keeps the floors' cache. Requests and responses are spinf_jax.scoring's business.
+"""The engine: token trees in, log-probabilities (and the answers decoded at extraction slots) out. It packs
+trees into bucketed passes, runs one compiled program per bucket, decodes the slots of a pass right after it
+from its keys and values, and keeps the floors' cache. Requests and responses are spinf_jax.scoring's
+business.
 
 Library use (what the server does too, and what a notebook can call directly):
 

@@ -227,6 +227,7 @@ class Engine:
             table[row, : len(allowed)] = allowed[:size]
         self._masks = jnp.asarray(table)
         self._ends = table[ENDS]
+        self._excluded: dict[tuple[int, ...], frozenset[int]] = {}  # closing ids → tokens barred inside
 
     @classmethod
     def load(cls, spec: str = DEFAULT_MODEL, precision: str = "bf16", **kwargs) -> "Engine":
@@ -302,8 +303,10 @@ class Engine:
         closing, tokenizer = slot.extract.closing_ids, self.model.tokenizer
         if not closing or tokenizer is None:
             return SlotSearch(slot.extract, self._ends)
-        excluded = frozenset(self.vocabulary.containing(tokenizer.decode(list(closing)))) - {closing[0]}
-        return SlotSearch(slot.extract, self._ends, excluded)
+        if closing not in self._excluded:  # a scan of the whole vocabulary: once per closing text
+            held = self.vocabulary.containing(tokenizer.decode(list(closing)))
+            self._excluded[closing] = frozenset(held) - {closing[0]}
+        return SlotSearch(slot.extract, self._ends, self._excluded[closing])
 
     def _decode(self, p: Pass, trees, out, slots, hidden, cache) -> None:
         """Decode every extraction slot of a pass: candidates at the slot rows, then decode steps until each

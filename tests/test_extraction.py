@@ -53,8 +53,6 @@ def test_decoded_answers_score_like_the_same_tokens_as_options(tiny):
     [check] = tiny.score_trees([build_tree([2], CONTENTS[0], as_options)])
     np.testing.assert_allclose(check.option_logprobs(0), [a.logprob for a in searched[:4]], atol=3e-5)
     np.testing.assert_allclose(check.option_logprobs(1), [generated.logprob], atol=3e-5)
-    # Greedy is the top path of the search's first step at least, and no better than the best searched.
-    assert generated.logprob <= searched[0].logprob + 1e-6 or generated.tokens[0] != searched[0].tokens[0]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

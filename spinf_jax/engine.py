@@ -39,7 +39,7 @@ from spinf_jax.models.layers import DecodeBatch, TreeBatch, by_rows
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
 from spinf_jax.scoring import Scorer
 
-ENGINE_VERSION = "3"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
+ENGINE_VERSION = "4"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
 KINDS = {"text": 0, "number": 1, "amount": 2}  # rows of the masks table; ENDS is its last row
 ENDS = 3
 # History columns of a decode step: an answer's tokens and its closing text. Fixed per width (one for
@@ -388,7 +388,11 @@ class Engine:
                     r = i * width + w
                     tokens[r], positions[r], forced[r] = token, places[i][4] + step, forced_token
                     path[i, w] = path_columns(columns, w, steps)
-            batch = (tokens, positions, *groups, path, np.int32(step))
+            # A finished slot's group reads nothing more (its rows ride along unread; on GPUs the kernel
+            # skips a group whose tree is empty).
+            finished = np.ones(g, bool)
+            finished[live] = False
+            batch = (tokens, positions, *np.where(finished, 0, groups), path, np.int32(step))
             *read, history = self._step(
                 self._weights, cache, history, self._masks, batch, kind, closing_first, ends, forced
             )

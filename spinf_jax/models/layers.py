@@ -105,12 +105,14 @@ Batch = TreeBatch | DecodeBatch
 def attention(q, k, v, batch: Batch, layer: int, *, scale: float, window: int | None = None) -> jax.Array:
     """q [T, H, D], k/v [T, K, D] → [T, H, D]. In a tree pass: the tree mask of `batch`, by the Pallas kernel
     on GPUs and its pure-JAX twin (the same visiting order) elsewhere. In a decode step: the pass's keys of
-    `layer` (the layer whose keys this one reads), then the step's history."""
+    `layer` (the layer whose keys this one reads), then the step's history (Pallas on GPUs, pure JAX
+    elsewhere)."""
     b = batch
     with jax.named_scope("attention"):  # names the ops in device profiles (here and below)
         if isinstance(b, DecodeBatch):
             groups = (b.tree_start, b.trunk_end, b.branch_start, b.slot_end, b.path, b.step)
-            return decode_attention.blockwise(
+            decode = decode_attention.kernel if jax.default_backend() == "gpu" else decode_attention.blockwise
+            return decode(
                 q, k, v, *b.cache[layer], *b.history[layer], b.positions, *groups,
                 scale=scale, window=window, block=b.block, group_tile=b.group_tile,
             )  # fmt: skip

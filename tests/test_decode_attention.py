@@ -1,0 +1,90 @@
+"""Decode-step attention (extraction): a hypothesis sees its slot's trunk and template in the pass, its own
+path of decoded tokens and its own new key; the CPU form and the Pallas kernel (interpreted) against the
+dense definition, and a group's bits whatever the other groups of the step are. On a GPU the kernel runs
+compiled (pytest tests/test_decode_attention.py on the H200), elsewhere in Pallas' interpreter."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_attention import blockwise, kernel, reference
+
+T, S, HEADS, KV = 128, 6, 4, 2
+# Slots as (tree start, trunk end, template start, slot end) in a pass of T rows; the last is a padding group.
+PLACES = [(0, 37, 40, 45), (0, 37, 45, 71), (64, 70, 72, 73), (0, 0, 0, 0)]
+
+
+def _step(places, width, step, d=16, seed=0, dtype=jnp.float32):
+    g, r = len(places), len(places) * width
+    keys = jax.random.split(jax.random.key(seed), 8)
+    normal = lambda i, shape: jax.random.normal(keys[i], shape).astype(dtype)  # noqa: E731
+    start, trunk_end, branch, slot_end = (jnp.array(x, jnp.int32) for x in zip(*places, strict=True))
+    first = trunk_end - start + slot_end - branch  # the first decoded token's position
+    rng = np.random.default_rng(seed)
+    return (
+        normal(0, (r, HEADS, d)),
+        normal(1, (r, KV, d)),
+        normal(2, (r, KV, d)),
+        normal(3, (T, KV, d)),
+        normal(4, (T, KV, d)),
+        normal(5, (g, S, width, KV, d)),
+        normal(6, (g, S, width, KV, d)),
+        jnp.repeat(first + step, width),
+        start,
+        trunk_end,
+        branch,
+        slot_end,
+        jnp.asarray(rng.integers(0, width, (g, width, S)), jnp.int32),
+        jnp.int32(step),
+    )
+
+
+IMPLS = {
+    "blockwise": partial(blockwise, block=32, group_tile=2),
+    "kernel": partial(kernel, block=32, tile=16, interpret=jax.default_backend() != "gpu"),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+@pytest.mark.parametrize(("width", "step", "window"), [(4, 3, None), (1, 5, None), (4, 0, None), (4, 4, 30)])
+def test_matches_the_dense_definition(impl, width, step, window):
+    args = _step(PLACES, width, step)
+    want = reference(*args, scale=0.3, window=window)
+    got = impl(*args, scale=0.3, window=window)
+    live = 3 * width  # the padding group's rows are not meaningful
+    np.testing.assert_allclose(got[:live], want[:live], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+def test_bf16_at_a_real_head_dim(impl):
+    """Gemma 3's head_dim (256) in bf16, searched (width 8) and generated (width 1) steps."""
+    for width, step in ((8, 5), (1, 4)):
+        args = _step(PLACES, width, step, d=256, seed=2, dtype=jnp.bfloat16)
+        want = reference(*args, scale=256**-0.5, window=None)
+        got = impl(*args, scale=256**-0.5, window=None)
+        live = 3 * width
+        np.testing.assert_allclose(np.asarray(got[:live], np.float32), np.asarray(want[:live], np.float32),
+                                   atol=0.02)  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+def test_a_group_keeps_its_bits_whatever_the_other_groups(impl):
+    """Slot 1's rows alone, after other slots, and beside a padding group: the same bits (the history and
+    path move with the slot, its place in the pass stays)."""
+    width, step = 4, 4
+    full = _step(PLACES, width, step, dtype=jnp.bfloat16)
+    out = impl(*full, scale=0.3, window=None)[width : 2 * width]
+
+    def only(groups):  # the step's per-group arrays restricted to these groups, in this order
+        rows = np.concatenate([np.arange(i * width, (i + 1) * width) for i in groups])
+        q, k, v, ck, cv, hk, hv, pos, *per_group, path, st = full
+        per_group = [a[np.array(groups)] for a in per_group]
+        return (q[rows], k[rows], v[rows], ck, cv, hk[np.array(groups)], hv[np.array(groups)], pos[rows],
+                *per_group, path[np.array(groups)], st)  # fmt: skip
+
+    for groups, at in (([1, 3], 0), ([2, 0, 1, 3], 2), ([3, 1], 1)):
+        got = impl(*only(groups), scale=0.3, window=None)[at * width : (at + 1) * width]
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(out, np.float32))

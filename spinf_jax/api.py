@@ -146,7 +146,17 @@ class Input(Struct, kw_only=True):
 
 
 class PackRef(Struct, kw_only=True):
-    id: str
+    id: Annotated[
+        str, Meta(description="a loaded pack's id (GET /v1/packs lists them), such as spinf/moderation")
+    ]
+    version: Annotated[str | None, Meta(description="refuse the request unless this version is loaded")] = (
+        None
+    )
+    categories: Annotated[
+        Annotated[list[str], Meta(min_length=1)] | None,
+        Meta(description="ask only the questions of these categories, and decide over them; absent: all"),
+    ] = None
+    cells: Annotated[bool | None, Meta(description="also list each question's value and score")] = None
 
 
 class ScoreRequest(Struct, kw_only=True):
@@ -226,14 +236,31 @@ class CategoryScore(Struct, kw_only=True):
     score: float
 
 
+class FiredRule(Struct, kw_only=True):
+    category: str
+    at_least: float
+    label: str
+
+
 class PackDecision(Struct, kw_only=True):
     label: Annotated[str, Meta(description="the pack's decision, such as allow, review or block")]
+    rules: Annotated[list[FiredRule], Meta(description="the rules that fired (none: the mildest label)")] = []
 
 
-class PackResult(Struct, kw_only=True):
+class PackCell(Struct, kw_only=True, omit_defaults=True):
+    question: str
+    value: Annotated[float, Meta(description="the positive option's p, or its lift p - floor_p")]
+    score: Annotated[float, Meta(description="the value calibrated against normal traffic")]
+    p: float
+    floor_p: float | None = None
+
+
+class PackResult(Struct, kw_only=True, omit_defaults=True):
     id: str
+    version: Annotated[str | None, Meta(description="the pack's version (always sent by this server)")] = None
     categories: list[CategoryScore]
     decision: PackDecision
+    cells: Annotated[list[PackCell] | None, Meta(description='with "cells": true')] = None
 
 
 class InputResult(Struct, kw_only=True, omit_defaults=True):
@@ -334,6 +361,23 @@ class DeviceMemory(Struct, kw_only=True, omit_defaults=True):
     limit_bytes: Annotated[int | None, Meta(description="what the allocator may take (GPUs)")] = None
 
 
+class PackInfo(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    version: str
+    description: str
+    source: Annotated[str, Meta(description='"official", a folder, or a git URL')]
+    commit: Annotated[str | None, Meta(description="the commit a git source was pinned to")] = None
+    questions: int
+    categories: list[str]
+    labels: Annotated[list[str], Meta(description="the decision's labels, mildest first")]
+    calibrated_on: list[str] = []
+
+
+class PackList(Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[PackInfo]
+
+
 class Health(Struct, kw_only=True, omit_defaults=True):
     """The server's state; 503 until the model is loaded and compiled."""
 
@@ -350,6 +394,7 @@ class Health(Struct, kw_only=True, omit_defaults=True):
         dict[str, int] | None, Meta(description="the request limits, max_body_bytes included")
     ] = None
     memory: DeviceMemory | None = None
+    packs: Annotated[list[PackInfo] | None, Meta(description="the prompt packs requests may name")] = None
 
 
 ErrorType = Literal[

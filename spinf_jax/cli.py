@@ -121,6 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         default="~/.cache/spinf-jax/xla",
         help="folder for compiled bucket programs, reused across restarts ('none' to disable)",
     )
+    p.add_argument(
+        "--packs",
+        action="append",
+        default=[],
+        metavar="SOURCE",
+        help="also load the prompt packs of this folder or git repository (URL[@ref]); repeatable",
+    )
+    p.add_argument("--no-official-packs", action="store_true", help="do not load the project's own packs")
     p.add_argument("--log-level", default="info", metavar="{critical,error,warning,info,debug,trace}")
     p.add_argument("--check", action="store_true", help="check the settings, then exit: 0 if valid, else 2")
     p.set_defaults(run=_serve)

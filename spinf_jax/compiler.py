@@ -11,8 +11,10 @@ engine reads. Knows nothing of the model beyond its tokenizer.
 import itertools
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from spinf_jax import api
 from spinf_jax.answers import vocabulary
@@ -24,6 +26,9 @@ from spinf_jax.layout import (
     SEARCH_WIDTH,
     Extract,
 )
+
+if TYPE_CHECKING:
+    from spinf_jax.packs.compiled import CompiledPack
 
 
 class Slot(StrEnum):
@@ -72,18 +77,37 @@ class Query:
 
 
 @dataclass(frozen=True)
+class PackAsk:
+    """A prompt pack asked of one content: the categories asked, the questions they need, and where the pack
+    presents the content in its own way (a wrapper), the wrapped content's tokens (a read of its own)."""
+
+    pack: "CompiledPack"
+    categories: tuple[str, ...]
+    queries: tuple[Query, ...]
+    content_ids: tuple[int, ...] | None  # None: the pack's questions share the content's read
+    cells: bool
+
+
+@dataclass(frozen=True)
 class Content:
     input_id: str
     content_ids: tuple[int, ...]  # tokens(content text), no BOS
     queries: tuple[Query, ...]
     param: str  # its messages field, which errors about the content name
+    packs: tuple[PackAsk, ...] = ()
+
+    def reads(self) -> list[tuple[tuple[int, ...], tuple[Query, ...]]]:
+        """The reads of this content: (content tokens, the queries asked of them). The first holds its own
+        queries and those of packs that share it; each wrapping pack adds its own."""
+        shared = self.queries + tuple(q for ask in self.packs if ask.content_ids is None for q in ask.queries)
+        wrapped = [(ask.content_ids, ask.queries) for ask in self.packs if ask.content_ids is not None]
+        return [(self.content_ids, shared), *wrapped]
 
 
 @dataclass(frozen=True)
 class CompiledRequest:
     model: str | None
     contents: tuple[Content, ...]
-    pack_ids: tuple[str, ...]
 
 
 def _invalid(param: str | None, message: str) -> ScoringError:
@@ -357,7 +381,7 @@ class _Input:
 
 
 def _parse_inputs(
-    request: api.ScoreRequest, shared: list[_Spec], has_packs: bool, limits: Limits
+    request: api.ScoreRequest, shared: list[_Spec], has_packs: bool, limits: Limits, pack_questions: int = 0
 ) -> list[_Input]:
     if request.messages is None and request.inputs is None:
         raise _invalid("messages", "give messages (one content) or inputs (several contents)")
@@ -367,7 +391,7 @@ def _parse_inputs(
         if not shared and not has_packs:
             raise _invalid("scoring.queries", "scoring.queries must not be empty")
         inputs = [_Input("0", render_content(request.messages, "messages"), "messages", shared)]
-        _check_questions(inputs[0], "scoring.queries", limits)
+        _check_questions(inputs[0], "scoring.queries", limits, pack_questions)
         return inputs
     if len(request.inputs) > limits.max_inputs:
         raise ScoringError(
@@ -391,7 +415,7 @@ def _parse_inputs(
         if not chosen and not own and not has_packs:
             raise _invalid(param, f"{param} has no queries: give scoring.queries or the input's own queries")
         inputs.append(_Input(input_id, text, param + ".messages", chosen + own))
-        _check_questions(inputs[-1], param, limits)
+        _check_questions(inputs[-1], param, limits, pack_questions)
     return inputs
 
 
@@ -406,24 +430,47 @@ def _choose(query_ids: list[str], by_id: dict[str, _Spec], param: str) -> list[_
     return list(chosen.values())
 
 
-def _check_questions(item: _Input, param: str, limits: Limits) -> None:
-    count = sum(len(spec.combinations) for spec in item.specs)
+def _check_questions(item: _Input, param: str, limits: Limits, pack_questions: int) -> None:
+    count = sum(len(spec.combinations) for spec in item.specs) + pack_questions
     if count > limits.max_questions_per_content:
         raise ScoringError(
             "too_many_questions",
-            f"{count} questions (templates x combinations) for one content; at most "
+            f"{count} questions (templates x combinations, packs' included) for one content; at most "
             f"{limits.max_questions_per_content}",
             param,
         )
 
 
-def _pack_ids(packs: list[api.PackRef]) -> tuple[str, ...]:
-    ids: list[str] = []
-    for i, pack in enumerate(packs):
-        if pack.id in ids:
-            raise _invalid(f"packs[{i}].id", f"pack {pack.id!r} is listed twice")
-        ids.append(pack.id)
-    return tuple(ids)
+def _resolve_packs(refs: list[api.PackRef], loaded: Mapping[str, "CompiledPack"]) -> list[tuple]:
+    """The packs a request names → (compiled pack, categories asked, their questions, cells wanted) each."""
+    seen = set()
+    for i, ref in enumerate(refs):
+        if ref.id in seen:
+            raise _invalid(f"packs[{i}].id", f"pack {ref.id!r} is listed twice")
+        seen.add(ref.id)
+    asks = []
+    for i, ref in enumerate(refs):
+        if ref.id not in loaded:
+            known = ", ".join(sorted(loaded)) or "none"
+            raise ScoringError("unknown_pack", f"no prompt pack {ref.id!r} is loaded (loaded: {known})",
+                               f"packs[{i}].id")  # fmt: skip
+        compiled = loaded[ref.id]
+        pack = compiled.pack
+        if ref.version is not None and ref.version != pack.version:
+            raise ScoringError(
+                "unknown_pack", f"pack {ref.id!r} is loaded at version {pack.version!r}, not {ref.version!r}",
+                f"packs[{i}].version",
+            )  # fmt: skip
+        categories = [c.id for c in pack.categories] if ref.categories is None else ref.categories
+        for j, category in enumerate(categories):
+            if category not in {c.id for c in pack.categories}:
+                raise _invalid(f"packs[{i}].categories[{j}]", f"pack {ref.id!r} has no category {category!r}")
+        if len(set(categories)) != len(categories):
+            raise _invalid(f"packs[{i}].categories", "a category is listed twice")
+        needed = {cell.question for c in categories for cell in pack.category(c).cells}
+        queries = tuple(q for q in compiled.queries if q.id in needed)
+        asks.append((compiled, tuple(categories), queries, bool(ref.cells)))
+    return asks
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -519,9 +566,9 @@ def _build_query(
     return Query(spec.id, spec.slot, tuple(questions))
 
 
-def _tokenize(tokenizer, inputs: list[_Input], specs: list[_Spec]) -> dict[str, tuple[int, ...]]:
+def _tokenize(tokenizer, inputs: list[_Input], specs: list[_Spec], extra=()) -> dict[str, tuple[int, ...]]:
     """Tokens of every distinct string the request needs, in one batch (the tokenizer runs it in parallel)."""
-    wanted = dict.fromkeys(item.text for item in inputs)
+    wanted = dict.fromkeys([*(item.text for item in inputs), *extra])
     for spec in specs:
         wanted.update(dict.fromkeys(spec.fills))
         wanted.update(dict.fromkeys(spec.options))
@@ -537,19 +584,27 @@ def _tokenize(tokenizer, inputs: list[_Input], specs: list[_Spec]) -> dict[str, 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def compile_request(request: api.ScoreRequest, tokenizer, limits: Limits = Limits()) -> CompiledRequest:
-    """Check a decoded scoring request (spinf_jax.decoding) against SPEC section 1 and tokenise it; raises
-    ScoringError."""
-    pack_ids = _pack_ids(request.packs or [])
-    if request.scoring is None and not pack_ids:
+def compile_request(
+    request: api.ScoreRequest,
+    tokenizer,
+    limits: Limits = Limits(),
+    packs: Mapping[str, "CompiledPack"] | None = None,
+) -> CompiledRequest:
+    """Check a decoded scoring request (spinf_jax.decoding) against SPEC section 1 and tokenise it, with the
+    prompt packs it names among `packs` (spinf_jax.packs.compiled); raises ScoringError."""
+    asks = _resolve_packs(request.packs or [], packs or {})
+    if request.scoring is None and not asks:
         raise _invalid("scoring", 'a scoring block is required: {"queries": [...]}')
     scoring = request.scoring or api.Scoring()
     shared = _parse_queries(scoring.queries or [], "scoring.queries", limits, set())
-    inputs = _parse_inputs(request, shared, bool(pack_ids), limits)
+    pack_questions = sum(len(q.questions) for _, _, queries, _ in asks for q in queries)
+    inputs = _parse_inputs(request, shared, bool(asks), limits, pack_questions)
 
     # A scoring query that no input asks for is checked for structure but never tokenised.
     used = list({id(spec): spec for item in inputs for spec in item.specs}.values())
-    ids = _tokenize(tokenizer, inputs, used)
+    wrapped = [p.presentation for p, *_ in asks if not p.presentation.bare]
+    extra = [w.prefix + item.text + w.suffix for item in inputs for w in wrapped]
+    ids = _tokenize(tokenizer, inputs, used, extra)
     for item in inputs:
         if len(ids[item.text]) > limits.max_content_tokens:
             raise ScoringError(
@@ -568,8 +623,16 @@ def compile_request(request: api.ScoreRequest, tokenizer, limits: Limits = Limit
                 spec.param + ".template",
             )
 
+    def pack_asks(text: str) -> tuple[PackAsk, ...]:
+        return tuple(
+            PackAsk(pack, categories, qs, None if pack.presentation.bare else
+                    tuple(ids[pack.presentation.prefix + text + pack.presentation.suffix]), cells)
+            for pack, categories, qs, cells in asks
+        )  # fmt: skip
+
     contents = tuple(
-        Content(item.input_id, ids[item.text], tuple(queries[id(spec)] for spec in item.specs), item.param)
+        Content(item.input_id, ids[item.text], tuple(queries[id(spec)] for spec in item.specs), item.param,
+                pack_asks(item.text))
         for item in inputs
-    )
-    return CompiledRequest(request.model, contents, pack_ids)
+    )  # fmt: skip
+    return CompiledRequest(request.model, contents)

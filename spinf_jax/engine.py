@@ -37,6 +37,8 @@ from spinf_jax.loader import DEFAULT_MODEL, Model, load_model
 from spinf_jax.models.decoder import split
 from spinf_jax.models.layers import DecodeBatch, TreeBatch, by_rows
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
+from spinf_jax.packs.compiled import compile_packs
+from spinf_jax.packs.loader import load_packs
 from spinf_jax.scoring import Scorer
 
 ENGINE_VERSION = "4"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
@@ -228,6 +230,7 @@ class Engine:
         self._masks = jnp.asarray(table)
         self._ends = table[ENDS]
         self._excluded: dict[tuple[int, ...], frozenset[int]] = {}  # closing ids → tokens barred inside
+        self._scorer: Scorer | None = None  # score()'s, with the official packs
 
     @classmethod
     def load(cls, spec: str = DEFAULT_MODEL, precision: str = "bf16", **kwargs) -> "Engine":
@@ -403,8 +406,12 @@ class Engine:
 
     def score(self, body: dict) -> dict:
         """A scoring request (SPEC section 1) → the scoring response (section 2): the library's entry point,
-        the same path the server takes (spinf_jax.scoring), with the default limits."""
-        return Scorer(self).score(body)
+        the same path the server takes (spinf_jax.scoring), with the default limits and the official prompt
+        packs (compiled on first use; `Scorer(engine, packs=...)` takes others)."""
+        if self._scorer is None:
+            tokenizer = self.model.tokenizer
+            self._scorer = Scorer(self, packs=compile_packs(load_packs(), tokenizer) if tokenizer else {})
+        return self._scorer.score(body)
 
     def cached_floors(self, keys) -> dict[QuestionKey, np.ndarray]:
         """The floors (option log-probs on empty content) of those questions that are cached."""

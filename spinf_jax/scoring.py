@@ -12,7 +12,7 @@ shared passes; `Scorer.score` does the three steps in a row for the library, fro
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -20,15 +20,17 @@ import numpy as np
 
 from spinf_jax import api
 from spinf_jax.answers import parse_amount, parse_number
-from spinf_jax.compiler import CompiledRequest, Limits, Question, compile_request
+from spinf_jax.compiler import CompiledRequest, Limits, PackAsk, Question, compile_request
 from spinf_jax.decoding import convert
 from spinf_jax.errors import ScoringError
 from spinf_jax.extraction import Decoded
 from spinf_jax.layout import Extract, QuestionKey, Tree, build_tree
 from spinf_jax.packer import content_trees
+from spinf_jax.packs import rules
 
 if TYPE_CHECKING:
     from spinf_jax.engine import Engine, Scored
+    from spinf_jax.packs.compiled import CompiledPack
 
 LOW_OPTION_MASS = 0.05  # warn when the options hold less of the probability at the slot
 
@@ -38,16 +40,22 @@ class Plan:
     """A compiled request and the trees it needs scored."""
 
     request: CompiledRequest
-    trees: list[Tree]  # the contents' trees, then one floor tree per floor not cached
-    owners: list[int]  # for each content tree, the index of its content
+    # The contents' trees, then one floor tree per floor not cached, then the empty contents of the packs
+    # that present the content in their own way (their floors).
+    trees: list[Tree]
+    owners: list[tuple[int, int]]  # for each content tree, its content and which of its reads (Content.reads)
     floor_keys: list[QuestionKey]  # for each floor tree, its question
     floors: dict[QuestionKey, np.ndarray]  # floors found in the cache
+    pack_floors: list[str] = field(default_factory=list)  # for each pack floor tree, its pack
 
 
 class Scorer:
-    def __init__(self, engine: "Engine", limits: Limits | None = None):
+    def __init__(
+        self, engine: "Engine", limits: Limits | None = None, packs: dict[str, "CompiledPack"] | None = None
+    ):
         self.engine = engine
         self.limits = limits or Limits()
+        self.packs = packs or {}  # the prompt packs requests may name, by id (spinf_jax.packs.compiled)
 
     def score(self, body: dict) -> dict:
         plan = self.plan(body)
@@ -61,36 +69,50 @@ class Scorer:
             raise ValueError("scoring text needs a model with a tokenizer (score_trees works on token ids)")
         if not isinstance(body, api.ScoreRequest):
             body = convert(body, api.ScoreRequest)
-        request = compile_request(body, tokenizer, self.limits)
-        if request.pack_ids:
-            raise ScoringError(
-                "unknown_pack", f"no prompt pack {request.pack_ids[0]!r} is loaded", "packs[0].id"
-            )
+        request = compile_request(body, tokenizer, self.limits, self.packs)
         budget = _TokenBudget(self.limits.max_request_tokens)
         prefix = tokenizer.prefix()
         trees, owners, wanted = [], [], {}
-        for c, content in enumerate(request.contents):
-            questions = [q for query in content.queries for q in query.questions]
-            keys = list(map(question_key, questions))
+
+        def read(content_ids, queries, param) -> list[Tree]:
+            keys = [question_key(q) for query in queries for q in query.questions]
             try:
-                chunks = content_trees(prefix, list(content.content_ids), keys, self.engine.buckets)
+                chunks = content_trees(prefix, list(content_ids), keys, self.engine.buckets)
             except ValueError as e:
-                raise ScoringError("question_too_large", str(e), content.param) from e
-            trees += budget.spend(tree for tree, _ in chunks)
-            owners += [c] * len(chunks)
-            wanted |= dict.fromkeys(key for key, q in zip(keys, questions, strict=True) if q.floor)
+                raise ScoringError("question_too_large", str(e), param) from e
+            return budget.spend(tree for tree, _ in chunks)
+
+        for c, content in enumerate(request.contents):
+            for part, (content_ids, queries) in enumerate(content.reads()):
+                chunks = read(content_ids, queries, content.param)
+                trees += chunks
+                owners += [(c, part)] * len(chunks)
+            # A wrapping pack's floor is its wrapper around empty content (below), not the bare question's.
+            questions = [q for query in content.reads()[0][1] for q in query.questions]
+            wanted |= dict.fromkeys(question_key(q) for q in questions if q.floor)
         floors = self.engine.cached_floors(wanted)
         missing = [k for k in wanted if k not in floors]
         trees += budget.spend(build_tree(prefix, [], [k]) for k in missing)
-        return Plan(request, trees, owners, missing, floors)
+        wrapping = {
+            a.pack.pack.id: a.pack for c in request.contents for a in c.packs if a.content_ids is not None
+        }
+        pack_floors = []
+        for pack_id, pack in wrapping.items():
+            chunks = read(pack.empty_ids, pack.queries, "packs")
+            trees += chunks
+            pack_floors += [pack_id] * len(chunks)
+        return Plan(request, trees, owners, missing, floors, pack_floors)
 
     def finish(self, plan: Plan, scored: list["Scored"]) -> api.ScoreResponse:
         """The response of a plan whose trees were scored (in the plan's order)."""
-        n = len(plan.owners)
+        n, f = len(plan.owners), len(plan.owners) + len(plan.floor_keys)
         floors = dict(plan.floors)
-        for key, result in zip(plan.floor_keys, scored[n:], strict=True):
+        for key, result in zip(plan.floor_keys, scored[n:f], strict=True):
             floors[key] = _question_results(result)[0]
             self.engine.remember_floor(key, floors[key])
+        pack_floors: dict[str, list] = {}
+        for pack_id, result in zip(plan.pack_floors, scored[f:], strict=True):
+            pack_floors.setdefault(pack_id, []).extend(_question_results(result))
         by_content = plan.trees[:n]
         usage = api.TokenDetails(
             content_tokens=sum(t.trunk_tokens for t in by_content),
@@ -98,16 +120,17 @@ class Scorer:
             floor_tokens=sum(len(t) for t in plan.trees[n:]),
             decode_tokens=sum(result.decode_tokens for result in scored),
         )
-        per_content: list[list] = [[] for _ in plan.request.contents]
-        for c, result in zip(plan.owners, scored[:n], strict=True):
-            per_content[c] += _question_results(result)
-        return self._respond(plan.request, per_content, floors, usage)
+        per_read: list[list[list]] = [[[] for _ in c.reads()] for c in plan.request.contents]
+        for (c, part), result in zip(plan.owners, scored[:n], strict=True):
+            per_read[c][part] += _question_results(result)
+        return self._respond(plan.request, per_read, floors, pack_floors, usage)
 
     def _respond(
-        self, request: CompiledRequest, per_content, floors, usage: api.TokenDetails
+        self, request: CompiledRequest, per_read, floors, pack_floors, usage: api.TokenDetails
     ) -> api.ScoreResponse:
         results, warnings = [], []
-        for content, answered in zip(request.contents, per_content, strict=True):
+        for content, reads in zip(request.contents, per_read, strict=True):
+            answered, wrapped = reads[0], iter(reads[1:])
             queries, i = [], 0
             for query in content.queries:
                 combinations = []
@@ -133,7 +156,17 @@ class Scorer:
                             )
                         )
                 queries.append(api.QueryResult(id=query.id, combinations=combinations))
-            results.append(api.InputResult(input_id=content.input_id, queries=queries))
+            packs = []
+            for ask in content.packs:
+                if ask.content_ids is None:  # its questions follow the content's own in the shared read
+                    count = sum(len(q.questions) for q in ask.queries)
+                    own, i = answered[i : i + count], i + count
+                    floor = [floors[question_key(q)] for query in ask.queries for q in query.questions]
+                else:
+                    own = next(wrapped)
+                    floor = _pack_floor(ask, pack_floors[ask.pack.pack.id])
+                packs.append(pack_result(ask, own, floor))
+            results.append(api.InputResult(input_id=content.input_id, queries=queries, packs=packs or None))
         tokens = usage.content_tokens + usage.query_tokens + usage.floor_tokens
         return api.ScoreResponse(
             id=f"score-{uuid.uuid4().hex}",
@@ -174,6 +207,45 @@ class _TokenBudget:
                 )
             out.append(tree)
         return out
+
+
+def _pack_floor(ask: PackAsk, results: list) -> list:
+    """A wrapping pack's floors for the questions it asked, out of its floors for all its questions."""
+    by_query = {}
+    for query in ask.pack.queries:
+        by_query[query.id], results = results[: len(query.questions)], results[len(query.questions) :]
+    return [lp for query in ask.queries for lp in by_query[query.id]]
+
+
+def pack_result(ask: PackAsk, logprobs: list, floors: list) -> api.PackResult:
+    """A pack's categories and decision from its questions' option log-probs and floors (in question order,
+    spinf_jax.packs.rules)."""
+    pack, cells, k = ask.pack.pack, {}, 0
+    for query in ask.queries:
+        n = len(query.questions)
+        combos = [
+            (_distribution(lp)[0], _distribution(fl)[0])
+            for lp, fl in zip(logprobs[k : k + n], floors[k : k + n], strict=True)
+        ]
+        cells[query.id] = rules.cell(pack.question(query.id), combos)
+        k += n
+    scores = {c: rules.category_score(pack.category(c), cells) for c in ask.categories}
+    label, fired = rules.decide(pack, scores)
+    result = api.PackResult(
+        id=pack.id,
+        version=pack.version,
+        categories=[api.CategoryScore(id=c, score=s) for c, s in scores.items()],
+        decision=api.PackDecision(
+            label=label,
+            rules=[api.FiredRule(category=r.category, at_least=r.at_least, label=r.label) for r in fired],
+        ),
+    )
+    if ask.cells:
+        result.cells = [
+            api.PackCell(question=c.question, value=c.value, score=c.score, p=c.p, floor_p=c.floor_p)
+            for c in cells.values()
+        ]
+    return result
 
 
 def question_key(q: Question) -> QuestionKey:

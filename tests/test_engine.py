@@ -206,7 +206,7 @@ def test_floors_are_cached_across_calls():
 
 def test_unknown_pack_is_a_clear_error(engine):
     with pytest.raises(ScoringError) as e:
-        engine.score({**SPEC_EXAMPLE, "packs": [{"id": "spinf/moderation"}]})
+        engine.score({**SPEC_EXAMPLE, "packs": [{"id": "nobody/missing"}]})
     assert e.value.code == "unknown_pack"
 
 

@@ -108,7 +108,7 @@ REQUESTS = {
     "too_many_inputs": (_inputs({"messages": MESSAGES}, {"messages": MESSAGES}), {"max_inputs": 1}),
     "unknown_query": (_inputs({"messages": MESSAGES, "query_ids": ["nope"]}), {}),
     "too_many_tokens": (_body(), {"max_request_tokens": 5}),
-    "unknown_pack": (_body(packs=[{"id": "spinf/moderation"}]), {}),
+    "unknown_pack": (_body(packs=[{"id": "nobody/missing"}]), {}),
     "too_many_slots": (_body({"id": "m", "template": 'A: "{*}" or {?}'}), {}),
     "unknown_slot": (_body({"id": "m", "template": "A:{#}"}), {}),
     "closing_too_long": (_body({"id": "m", "template": "A:{*}" + " word" * 17}), {}),

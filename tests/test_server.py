@@ -216,7 +216,7 @@ def test_errors_in_the_envelope(url):
     _error(httpx.post(f"{url}/v1/score", json=bad), 400, "option_boundary", "scoring.queries[0].options[1]")
     _error(httpx.post(f"{url}/v1/score", json={**BODY, "model": "other"}), 404, "model_not_found", "model")
     _error(
-        httpx.post(f"{url}/v1/score", json={**BODY, "packs": [{"id": "spinf/moderation"}]}),
+        httpx.post(f"{url}/v1/score", json={**BODY, "packs": [{"id": "nobody/missing"}]}),
         400,
         "unknown_pack",
     )

@@ -23,6 +23,8 @@ from spinf_jax import api
 from spinf_jax.decoding import decode
 from spinf_jax.engine import Engine
 from spinf_jax.packer import Buckets, default_sizes
+from spinf_jax.packs.compiled import CompiledPack, compile_packs
+from spinf_jax.packs.loader import describe, load_packs
 from spinf_jax.scoring import Scorer
 from spinf_jax.server.auth import ApiKeys
 from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError, error_responses
@@ -54,6 +56,7 @@ class Server:
     failure: str | None = None
     ready_at: int | None = None
     memory_needed: int | None = None  # bytes: the largest pass's peak (Engine.device_bytes_needed)
+    packs: dict[str, CompiledPack] = field(default_factory=dict)  # compiled for the model's tokenizer
 
     def __post_init__(self):
         self.metrics.read_queue_depth(lambda: self.runner.depth if self.runner else 0)
@@ -71,7 +74,9 @@ class Server:
             engine.warmup()
             self.memory_needed = engine.device_bytes_needed()
             check_fits(self.memory_needed, s.device_memory_cap_gib)
-            self.scorer = Scorer(engine)
+            loaded = load_packs() if s.packs is None else s.packs
+            self.packs = compile_packs(loaded, engine.model.tokenizer) if engine.model.tokenizer else {}
+            self.scorer = Scorer(engine, packs=self.packs)
             self.runner = Runner(self.scorer, s.max_queue, s.max_delay_ms / 1000)
             self.engine = engine
             self.ready_at = int(time.time())
@@ -250,6 +255,19 @@ async def models(request: Request) -> api.ModelList:
 
 
 @get(
+    "/v1/packs",
+    guards=[_authorize],
+    security=KEYED,
+    responses=error_responses(401, 503),
+    summary="The prompt packs requests may name (docs/prompt-packs.md)",
+)
+async def packs(request: Request) -> api.PackList:
+    server = _server(request)
+    server.require_ready()
+    return api.PackList(data=[describe(p.loaded) for p in server.packs.values()])
+
+
+@get(
     "/health",
     responses={
         503: ResponseSpec(api.Health, generate_examples=False, description="loading, or failed to load")
@@ -275,6 +293,7 @@ async def health(request: Request) -> Response[api.Health]:
         body.system_fingerprint = engine.fingerprint
         body.buckets = list(engine.buckets.sizes)
         body.limits = {**dataclasses.asdict(server.scorer.limits), "max_body_bytes": MAX_BODY}
+        body.packs = [describe(p.loaded) for p in server.packs.values()]
         stats = jax.devices()[0].memory_stats() or {}  # None on the CPU
         body.memory = api.DeviceMemory(
             needed_bytes=server.memory_needed,
@@ -331,7 +350,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
     """The app; it loads (or takes) the engine in the background and answers 503 until it is compiled."""
     server = Server(settings)
     app = Litestar(
-        route_handlers=[score, chat_completions, models, health, metrics],
+        route_handlers=[score, chat_completions, models, packs, health, metrics],
         guards=[_metrics_behind_key] if settings.metrics_auth else [],
         request_class=ApiRequest,
         exception_handlers={**EXCEPTION_HANDLERS, ClientGone: lambda *_: Response(b"", status_code=499)},

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from spinf_jax.loader import BUILTIN_MODELS, DEFAULT_MODEL, default_row_tile
 from spinf_jax.packer import Buckets
+from spinf_jax.packs.format import PackError
+from spinf_jax.packs.loader import LoadedPack, load_packs
 
 PRECISIONS = ("bf16", "fp8", "int8", "fp32")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -34,6 +36,8 @@ class Settings:
     # The weights and the largest pass must fit in this (checked once compiled: the server refuses to serve
     # otherwise); on GPUs the allocator is held to it too.
     device_memory_cap_gib: float | None = None
+    # The prompt packs requests may name, read and checked (spinf_jax.packs.loader); None: the official ones.
+    packs: dict[str, LoadedPack] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class Launch:
             f"{s.model} ({s.precision}) on {self.host}:{self.port}; {keys}, /metrics "
             f"{'behind the key' if s.metrics_auth else 'open'}; buckets {s.buckets or 'by backend'}; "
             f"queue {s.max_queue}, delay {s.max_delay_ms:g} ms; device memory "
-            f"{f'at most {cap:g} GiB' if cap else 'uncapped'}"
+            f"{f'at most {cap:g} GiB' if cap else 'uncapped'}; packs {', '.join(s.packs or {}) or 'none'}"
         )
 
 
@@ -93,9 +97,15 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
     cache = None if args.compile_cache == "none" else Path(args.compile_cache).expanduser()
     if cache is not None and cache.exists() and not cache.is_dir():
         problems.append(f"--compile-cache: {str(cache)!r} is not a folder")
+    packs = None
+    try:
+        packs = load_packs(args.packs, official=not args.no_official_packs)
+    except PackError as e:
+        problems.append(f"--packs: {e}")
     if problems:
         raise SettingsError(problems)
     settings = Settings(
+        packs=packs,
         model=model,
         precision=args.precision,
         buckets=buckets,

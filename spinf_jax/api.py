@@ -249,7 +249,8 @@ class PackDecision(Struct, kw_only=True):
 
 class PackCell(Struct, kw_only=True, omit_defaults=True):
     question: str
-    value: Annotated[float, Meta(description="the positive option's p, or its lift p - floor_p")]
+    option: str
+    value: Annotated[float, Meta(description="the option's p, lift p - floor_p, or log-lift (the pack says)")]
     score: Annotated[float, Meta(description="the value calibrated against normal traffic")]
     p: float
     floor_p: float | None = None

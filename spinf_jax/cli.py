@@ -63,6 +63,95 @@ def _serve(args) -> int:
     return 0
 
 
+def _packs(args) -> int:
+    """`spinf-jax packs list | show ID | validate PATH... | schema | calibrate ID --traffic F`."""
+    import msgspec
+
+    from spinf_jax.packs.format import PackError, read_pack
+    from spinf_jax.packs.loader import describe, load_packs
+
+    if args.action == "schema":
+        print(msgspec.json.format(msgspec.json.encode(pack_schema()), indent=2).decode())
+        return 0
+    try:
+        if args.action == "validate":
+            packs = [read_pack(path) for path in args.paths]
+            if not args.no_model:
+                from spinf_jax.loader import load_model
+                from spinf_jax.packs.compiled import compile_pack
+                from spinf_jax.packs.loader import LoadedPack
+
+                tokenizer = load_model(args.model, "fp32").tokenizer
+                for path, pack in zip(args.paths, packs, strict=True):
+                    compile_pack(LoadedPack(pack, Path(path), "file"), tokenizer)
+            for path, pack in zip(args.paths, packs, strict=True):
+                print(f"{path}: {pack.id} {pack.version}: valid ({len(pack.questions)} questions)")
+            return 0
+        loaded = load_packs(args.packs, official=not args.no_official_packs)
+    except PackError as e:
+        print(f"spinf-jax packs: {e}", file=sys.stderr)
+        return 2
+    if args.action == "list":
+        for item in loaded.values():
+            info = describe(item)
+            where = info.source + (f"@{info.commit[:12]}" if info.commit else "")
+            print(f"{info.id:<28}{info.version:<10}{info.questions:>4} questions {len(info.categories):>3} "
+                  f"categories  {where}")  # fmt: skip
+        return 0
+    if args.id not in loaded:
+        print(
+            f"spinf-jax packs: no pack {args.id!r} (loaded: {', '.join(loaded) or 'none'})", file=sys.stderr
+        )
+        return 2
+    item = loaded[args.id]
+    if args.action == "show":
+        print(f"# {item.path}")
+        print(msgspec.yaml.encode(msgspec.to_builtins(item.pack)).decode())
+        return 0
+    return _calibrate(args, item)
+
+
+def pack_schema() -> dict:
+    """packs/schema.json: the pack file's JSON Schema."""
+    import msgspec
+
+    from spinf_jax.packs.format import Pack
+
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **msgspec.json.schema(Pack)}
+
+
+def _calibrate(args, item) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from spinf_jax.engine import Engine
+    from spinf_jax.packs import calibrate
+    from spinf_jax.packs.compiled import compile_pack
+    from spinf_jax.scoring import Scorer
+
+    normal = calibrate.read_rows(args.traffic)
+    labelled = calibrate.read_rows(args.labelled, labelled=True) if args.labelled else []
+    targets = calibrate.default_targets(item.pack)
+    for target in args.target:
+        label, _, value = target.partition("=")
+        if label not in targets:
+            print(f"spinf-jax packs: --target: {label!r} is not a label of {item.pack.id}", file=sys.stderr)
+            return 2
+        targets[label] = float(value)
+    engine = Engine.load(args.model, args.precision)
+    scorer = Scorer(engine, packs={item.pack.id: compile_pack(item, engine.model.tokenizer)})
+    with tqdm(total=len(normal) + len(labelled), desc=f"scoring {item.pack.id}", unit="row") as bar:
+        pack, report = calibrate.calibrate_pack(scorer, item.pack, normal, labelled, targets, bar)
+    out = Path(args.out) if args.out else item.path
+    calibrate.write_pack(pack, out)
+    print(calibrate.report_table(report))
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spinf-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +221,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info", metavar="{critical,error,warning,info,debug,trace}")
     p.add_argument("--check", action="store_true", help="check the settings, then exit: 0 if valid, else 2")
     p.set_defaults(run=_serve)
+
+    from spinf_jax.loader import DEFAULT_MODEL
+
+    p = sub.add_parser(
+        "packs", help="prompt packs: list, show, validate, schema, calibrate (docs/prompt-packs.md)"
+    )
+    actions = p.add_subparsers(dest="action", required=True)
+
+    def sources(q):
+        q.add_argument(
+            "--packs", action="append", default=[], metavar="SOURCE", help="a folder or git URL[@ref]"
+        )
+        q.add_argument("--no-official-packs", action="store_true")
+
+    sources(actions.add_parser("list", help="the packs loaded by default (and from --packs)"))
+    q = actions.add_parser("show", help="one pack, as loaded")
+    q.add_argument("id")
+    sources(q)
+    q = actions.add_parser("validate", help="check pack files, with a model's tokenizer unless --no-model")
+    q.add_argument("paths", nargs="+")
+    q.add_argument("--model", default=DEFAULT_MODEL)
+    q.add_argument("--no-model", action="store_true", help="check the format only")
+    actions.add_parser("schema", help="print the pack file's JSON Schema (packs/schema.json)")
+    q = actions.add_parser("calibrate", help="baselines from normal traffic, thresholds from labelled rows")
+    q.add_argument("id")
+    q.add_argument("--traffic", required=True, help="normal traffic: JSON Lines with text (or messages)")
+    q.add_argument("--labelled", help='labelled rows: JSON Lines with text and "categories": [...]')
+    q.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="LABEL=PRECISION",
+        help="precision a label's rules must reach (default 0.9 for the gravest, 0.7 others)",
+    )
+    q.add_argument("--model", default=DEFAULT_MODEL)
+    q.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp8", "int8"])
+    q.add_argument("--out", help="where to write the calibrated pack (default: over the pack's file)")
+    q.add_argument("--report", help="also write the report as JSON here")
+    sources(q)
+    for q in actions.choices.values():
+        q.set_defaults(run=_packs)
 
     args = parser.parse_args(argv)
     return args.run(args)

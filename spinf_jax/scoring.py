@@ -220,16 +220,20 @@ def _pack_floor(ask: PackAsk, results: list) -> list:
 def pack_result(ask: PackAsk, logprobs: list, floors: list) -> api.PackResult:
     """A pack's categories and decision from its questions' option log-probs and floors (in question order,
     spinf_jax.packs.rules)."""
-    pack, cells, k = ask.pack.pack, {}, 0
+    pack, combos, k = ask.pack.pack, {}, 0
     for query in ask.queries:
         n = len(query.questions)
-        combos = [
-            (_distribution(lp)[0], _distribution(fl)[0])
-            for lp, fl in zip(logprobs[k : k + n], floors[k : k + n], strict=True)
-        ]
-        cells[query.id] = rules.cell(pack.question(query.id), combos)
+        pairs = zip(logprobs[k : k + n], floors[k : k + n], strict=True)
+        combos[query.id] = [(_distribution(lp)[0], _distribution(fl)[0]) for lp, fl in pairs]
         k += n
-    scores = {c: rules.category_score(pack.category(c), cells) for c in ask.categories}
+    scores, listed = {}, []
+    for category_id in ask.categories:
+        category = pack.category(category_id)
+        cells = [
+            rules.cell_score(c, pack.question(c.question).options, combos[c.question]) for c in category.cells
+        ]
+        scores[category_id] = rules.category_score(category, cells)
+        listed += cells
     label, fired = rules.decide(pack, scores)
     result = api.PackResult(
         id=pack.id,
@@ -242,9 +246,10 @@ def pack_result(ask: PackAsk, logprobs: list, floors: list) -> api.PackResult:
     )
     if ask.cells:
         result.cells = [
-            api.PackCell(question=c.question, value=c.value, score=c.score, p=c.p, floor_p=c.floor_p)
-            for c in cells.values()
-        ]
+            api.PackCell(question=c.question, option=c.option, value=c.value, score=c.score, p=c.p,
+                         floor_p=c.floor_p)
+            for c in listed
+        ]  # fmt: skip
     return result
 
 

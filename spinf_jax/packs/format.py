@@ -49,19 +49,23 @@ class Baseline(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class PackQuestion(api.Query, kw_only=True, forbid_unknown_fields=True):
-    """An ordinary {?} query (SPEC section 1) and how its answer becomes a number."""
-
-    positive: Annotated[str, Meta(description="the option whose probability the question measures")]
-    measure: Annotated[
-        Literal["p", "lift"],
-        Meta(description="p: the positive option's p; lift: p - floor_p (its p on empty content)"),
-    ] = "lift"
-    baseline: Baseline | None = None
+    """An ordinary {?} query (SPEC section 1): a wording, and the options categories read as cells."""
 
 
 class Cell(Struct, kw_only=True, forbid_unknown_fields=True):
+    """One option of one question, read as evidence for a category."""
+
     question: str
+    option: Annotated[str, Meta(description="the option whose probability the cell reads")]
+    measure: Annotated[
+        Literal["p", "lift", "log_lift"],
+        Meta(
+            description="p: the option's p; lift: p - floor_p (its p on empty content); log_lift: "
+            "log p - log floor_p"
+        ),
+    ] = "log_lift"
     weight: Annotated[float, Meta(gt=0)] = 1.0
+    baseline: Baseline | None = None
 
 
 class Category(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -184,24 +188,25 @@ def _check(pack: Pack, path: Path) -> None:
             fail(where + ".template", "a pack question ends in its {?} slot")
         if not q.options:
             fail(where + ".options", "a pack question lists its options")
-        if q.positive not in q.options:
-            fail(where + ".positive", f"{q.positive!r} is not one of the options")
-        b = q.baseline
-        if b is not None:
-            if (b.mean is None) != (b.std is None):
-                fail(where + ".baseline", "give mean and std together")
-            if (b.mean is None) == (b.percentiles is None):
-                fail(where + ".baseline", "give mean and std, or percentiles (one of the two)")
-            if b.percentiles is not None and b.percentiles != sorted(b.percentiles):
-                fail(where + ".baseline.percentiles", "must be ascending")
     categories: set[str] = set()
     for i, c in enumerate(pack.categories):
         if c.id in categories:
             fail(f"categories[{i}].id", f"category id {c.id!r} is used twice")
         categories.add(c.id)
         for j, cell in enumerate(c.cells):
+            where = f"categories[{i}].cells[{j}]"
             if cell.question not in ids:
-                fail(f"categories[{i}].cells[{j}].question", f"no question {cell.question!r}")
+                fail(where + ".question", f"no question {cell.question!r}")
+            if cell.option not in pack.question(cell.question).options:
+                fail(where + ".option", f"{cell.option!r} is not an option of question {cell.question!r}")
+            b = cell.baseline
+            if b is not None:
+                if (b.mean is None) != (b.std is None):
+                    fail(where + ".baseline", "give mean and std together")
+                if (b.mean is None) == (b.percentiles is None):
+                    fail(where + ".baseline", "give mean and std, or percentiles (one of the two)")
+                if b.percentiles is not None and b.percentiles != sorted(b.percentiles):
+                    fail(where + ".baseline.percentiles", "must be ascending")
     labels = pack.decision.labels
     if len(set(labels)) != len(labels):
         fail("decision.labels", "labels must be unique")

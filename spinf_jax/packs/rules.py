@@ -1,40 +1,41 @@
 """How a pack's answers become scores, categories and a decision (docs/prompt-packs.md).
 
-A question's value is its positive option's p (renormalised over the options), or its lift p - floor_p; a
-question with placeholders averages its combinations. Its score is that value calibrated against normal
-traffic: a z-score (mean, std) or the fraction of normal traffic below it (percentiles), else the value as
-it is. A category combines its cells' scores (weighted mean, or the largest weighted score); every rule whose
-category reaches its threshold fires, and the decision is the gravest label among them (the first label when
-none fires).
+A cell reads one option of one question: its p (renormalised over the question's options), its lift
+p - floor_p, or its log-lift log p - log floor_p; a question with placeholders averages its combinations.
+The cell's score is that value calibrated against normal traffic: a z-score (mean, std) or the fraction of
+normal traffic below it (percentiles), else the value as it is. A category combines its cells' scores
+(weighted mean, or the largest weighted score); every rule whose category reaches its threshold fires, and
+the decision is the gravest label among them (the first label when none fires).
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from spinf_jax.packs.format import Baseline, Category, Pack, PackQuestion, Rule
+from spinf_jax.packs.format import Baseline, Category, Cell, Pack, Rule
+
+TINY = 1e-12  # floors of exactly 0 (an option the model never writes on empty content) stay finite
 
 
 @dataclass(frozen=True)
 class CellScore:
     question: str
-    value: float  # p or lift, averaged over combinations
+    option: str
+    value: float  # p, lift or log-lift, averaged over combinations
     score: float  # calibrated
-    p: float  # the positive option's p (averaged over combinations)
+    p: float  # the option's p (averaged over combinations)
     floor_p: float | None
 
 
-def value(
-    question: PackQuestion, p: np.ndarray, floor_p: np.ndarray | None
-) -> tuple[float, float, float | None]:
-    """(value, positive p, positive floor_p) of one combination: p and floor_p over the question's options."""
-    k = question.options.index(question.positive)
-    floor = None if floor_p is None else float(floor_p[k])
-    if question.measure == "lift":
-        if floor is None:
-            raise ValueError(f"question {question.id!r} measures lift and needs its floor")
-        return float(p[k]) - floor, float(p[k]), floor
-    return float(p[k]), float(p[k]), floor
+def value(cell: Cell, p: float, floor_p: float | None) -> float:
+    if cell.measure == "p":
+        return p
+    if floor_p is None:
+        raise ValueError(f"a {cell.measure} cell of question {cell.question!r} needs its floor")
+    if cell.measure == "lift":
+        return p - floor_p
+    return math.log(max(p, TINY)) - math.log(max(floor_p, TINY))
 
 
 def calibrate(baseline: Baseline | None, v: float) -> float:
@@ -46,20 +47,22 @@ def calibrate(baseline: Baseline | None, v: float) -> float:
     return (v - baseline.mean) / baseline.std
 
 
-def cell(question: PackQuestion, combos: list[tuple[np.ndarray, np.ndarray | None]]) -> CellScore:
-    """A question's cell from its combinations' (p over options, floor_p over options or None)."""
-    parts = [value(question, p, floor_p) for p, floor_p in combos]
-    v = float(np.mean([x[0] for x in parts]))
-    floors = [x[2] for x in parts]
+def cell_score(
+    cell: Cell, options: list[str], combos: list[tuple[np.ndarray, np.ndarray | None]]
+) -> CellScore:
+    """A cell from its question's combinations: (p over the options, floor_p over the options or None)."""
+    k = options.index(cell.option)
+    ps = [float(p[k]) for p, _ in combos]
+    floors = [None if f is None else float(f[k]) for _, f in combos]
+    v = float(np.mean([value(cell, p, f) for p, f in zip(ps, floors, strict=True)]))
     floor = None if any(f is None for f in floors) else float(np.mean(floors))
-    return CellScore(
-        question.id, v, calibrate(question.baseline, v), float(np.mean([x[1] for x in parts])), floor
-    )
+    return CellScore(cell.question, cell.option, v, calibrate(cell.baseline, v), float(np.mean(ps)), floor)
 
 
-def category_score(category: Category, cells: dict[str, CellScore]) -> float:
+def category_score(category: Category, cells: list[CellScore]) -> float:
+    """cells: the category's, in the order of category.cells."""
     weights = np.array([c.weight for c in category.cells])
-    scores = np.array([cells[c.question].score for c in category.cells])
+    scores = np.array([c.score for c in cells])
     if category.combine == "max":
         return float(np.max(weights * scores))
     return float(np.sum(weights * scores) / np.sum(weights))

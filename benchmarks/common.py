@@ -60,15 +60,18 @@ class SyntheticCheckpoint:
         return np.resize(self.pattern, shape)  # speed and memory do not depend on the values
 
 
-def engine_args(doc: str) -> argparse.Namespace:
+def engine_args(doc: str, extra=None) -> argparse.Namespace:
     """The command line of the scripts that run the engine at the 12B shape: the Gemma 3 tokenizer file,
-    the precision, the bucket sizes, repeats per timing and the output folder."""
+    the precision, the bucket sizes, repeats per timing and the output folder; `extra(parser)` adds a
+    script's own."""
     parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--precision", default="fp8")
     parser.add_argument("--buckets", default="4096,16384")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
+    if extra is not None:
+        extra(parser)
     return parser.parse_args()
 
 

@@ -352,11 +352,11 @@ def test_calibration_sets_baselines_and_thresholds_it_can_justify(scorer, tmp_pa
     labelled = [calibrate.Row([{"role": "user", "content": t}], tuple(c)) for t, c in LABELLED]
     targets = {"normal": 0.5, "review": 0.5, "urgent": 0.9}
     calibrated, report = calibrate.calibrate_pack(scorer, pack, normal, labelled, targets)
-    # Baselines: each cell's percentiles over the normal rows' raw values (0 % = the smallest).
+    # Baselines: each cell's mean and std over the normal rows' raw values.
     raw = calibrate.cell_values(scorer, pack.id, normal)
     first = calibrated.categories[0].cells[0].baseline
-    assert first.items == 6 and first.percentiles[0] == pytest.approx(raw[:, 0].min(), abs=1e-6)
-    assert first.percentiles[-1] == pytest.approx(raw[:, 0].max(), abs=1e-6)
+    assert first.items == 6 and first.mean == pytest.approx(raw[:, 0].mean(), abs=1e-6)
+    assert first.std == pytest.approx(raw[:, 0].std(), abs=1e-6)
     # Every rule kept reaches its label's precision on these rows, as recomputed here; the others are
     # reported as dropped.
     scores = calibrate.category_scores(
@@ -373,14 +373,15 @@ def test_calibration_sets_baselines_and_thresholds_it_can_justify(scorer, tmp_pa
     assert reported == {(r.category, r.label) for r in pack.decision.rules}
     assert calibrated.calibrated_on[0].fingerprint == scorer.engine.fingerprint
     assert (calibrated.calibration.normal_items, calibrated.calibration.labelled_items) == (6, 4)
-    # The file written is a valid pack whose scores are now percentiles of normal traffic.
+    # The file written is a valid pack whose scores are now z-scores against normal traffic: over the normal
+    # rows, a cell's scores have mean 0.
     out = tmp_path / "demo.yaml"
     calibrate.write_pack(calibrated, out)
     assert read_pack(out) == calibrated
     packs = compile_packs(load_packs([str(tmp_path)], official=False), scorer.engine.model.tokenizer)
-    result = Scorer(scorer.engine, packs=packs).score(_body(NORMAL[:1], [{"id": "test/demo"}]))
-    threats = result["results"][0]["packs"][0]["categories"][0]["score"]
-    assert 0.0 <= threats <= 1.0
+    result = Scorer(scorer.engine, packs=packs).score(_body(NORMAL, [{"id": "test/demo"}]))
+    threats = [r["packs"][0]["categories"][0]["score"] for r in result["results"]]
+    assert np.mean(threats) == pytest.approx(0.0, abs=1e-4)
 
 
 def test_calibrate_command(tmp_path, capsys):

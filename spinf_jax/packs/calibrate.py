@@ -2,8 +2,8 @@
 
 1. Every row is scored with the pack (cells asked for), so each cell's raw value (p, lift or log-lift) is
    known per row.
-2. Baselines: each cell's percentiles over the normal traffic (21 points, 0 to 100 %); a cell's score then
-   is the fraction of normal traffic below its value, and a category's score the weighted mean of those.
+2. Baselines: each cell's mean and standard deviation over the normal traffic; a cell's score then is its
+   z-score, and a category's score the weighted mean of those.
 3. Thresholds, from labelled rows (`{"text", "categories": [...]}`) with the normal traffic as negatives:
    for each rule, the lowest category score whose precision reaches the rule label's target. A rule no
    threshold can give that precision is dropped (and the report says so).
@@ -25,7 +25,6 @@ from spinf_jax.packs.format import Baseline, CalibratedOn, CalibrationData, Pack
 from spinf_jax.packs.rules import CellScore, calibrate, category_score
 from spinf_jax.scoring import Scorer
 
-PERCENTILES = np.linspace(0, 100, 21)
 BATCH = 16  # rows per request
 
 
@@ -67,10 +66,15 @@ def cell_values(scorer: Scorer, pack_id: str, rows: list[Row], progress=None) ->
 
 
 def baselines(values: np.ndarray) -> list[Baseline]:
-    """One percentile baseline per cell (column)."""
-    points = np.percentile(values, PERCENTILES, axis=0)  # [21, cells]
-    # Six decimals: the file is what scores are computed from, and it stays readable.
-    return [Baseline(percentiles=[round(float(x), 6) for x in col], items=len(values)) for col in points.T]
+    """One baseline per cell (column): mean and std over the normal rows, so a cell's score is a z-score.
+    Percentiles would saturate: every value above the largest normal one scores 1, which ties the clear
+    cases with each other and left no threshold for several categories when the official packs were first
+    calibrated with them."""
+    std = np.maximum(values.std(axis=0), 1e-6)  # a cell constant on normal traffic still has a scale
+    return [
+        Baseline(mean=round(float(m), 6), std=round(float(s), 6), items=len(values))
+        for m, s in zip(values.mean(axis=0), std, strict=True)
+    ]
 
 
 def with_baselines(pack: Pack, found: list[Baseline]) -> Pack:

@@ -152,6 +152,18 @@ def _calibrate(args, item) -> int:
     return 0
 
 
+def _pack_sources(parser) -> None:
+    """The flags that say which packs load: `serve`'s and the `packs` commands'."""
+    parser.add_argument(
+        "--packs",
+        action="append",
+        default=[],
+        metavar="SOURCE",
+        help="also load the prompt packs of this folder or git repository (URL[@ref]); repeatable",
+    )
+    parser.add_argument("--no-official-packs", action="store_true", help="skip the project's own packs")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spinf-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -210,14 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         default="~/.cache/spinf-jax/xla",
         help="folder for compiled bucket programs, reused across restarts ('none' to disable)",
     )
-    p.add_argument(
-        "--packs",
-        action="append",
-        default=[],
-        metavar="SOURCE",
-        help="also load the prompt packs of this folder or git repository (URL[@ref]); repeatable",
-    )
-    p.add_argument("--no-official-packs", action="store_true", help="do not load the project's own packs")
+    _pack_sources(p)
     p.add_argument("--log-level", default="info", metavar="{critical,error,warning,info,debug,trace}")
     p.add_argument("--check", action="store_true", help="check the settings, then exit: 0 if valid, else 2")
     p.set_defaults(run=_serve)
@@ -229,16 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     actions = p.add_subparsers(dest="action", required=True)
 
-    def sources(q):
-        q.add_argument(
-            "--packs", action="append", default=[], metavar="SOURCE", help="a folder or git URL[@ref]"
-        )
-        q.add_argument("--no-official-packs", action="store_true")
-
-    sources(actions.add_parser("list", help="the packs loaded by default (and from --packs)"))
+    _pack_sources(actions.add_parser("list", help="the packs loaded by default (and from --packs)"))
     q = actions.add_parser("show", help="one pack, as loaded")
     q.add_argument("id")
-    sources(q)
+    _pack_sources(q)
     q = actions.add_parser("validate", help="check pack files, with a model's tokenizer unless --no-model")
     q.add_argument("paths", nargs="+")
     q.add_argument("--model", default=DEFAULT_MODEL)
@@ -259,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp8", "int8"])
     q.add_argument("--out", help="where to write the calibrated pack (default: over the pack's file)")
     q.add_argument("--report", help="also write the report as JSON here")
-    sources(q)
+    _pack_sources(q)
     for q in actions.choices.values():
         q.set_defaults(run=_packs)
 

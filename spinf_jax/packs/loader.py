@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from spinf_jax import api
 from spinf_jax.packs.format import SUFFIXES, Pack, PackError, read_pack
 
 _HERE = Path(__file__).resolve().parent
@@ -110,10 +111,8 @@ def _git(*args: str, source: str) -> str:
     return done.stdout
 
 
-def describe(loaded: LoadedPack):
+def describe(loaded: LoadedPack) -> api.PackInfo:
     """A loaded pack as /v1/packs and /health list it."""
-    from spinf_jax import api
-
     pack = loaded.pack
     return api.PackInfo(
         id=pack.id,

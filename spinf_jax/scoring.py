@@ -87,9 +87,9 @@ class Scorer:
                 chunks = read(content_ids, queries, content.param)
                 trees += chunks
                 owners += [(c, part)] * len(chunks)
-            # A wrapping pack's floor is its wrapper around empty content (below), not the bare question's.
-            questions = [q for query in content.reads()[0][1] for q in query.questions]
-            wanted |= dict.fromkeys(question_key(q) for q in questions if q.floor)
+                if part == 0:  # a wrapping pack's floor is its wrapper around empty content (below)
+                    questions = [q for query in queries for q in query.questions]
+                    wanted |= dict.fromkeys(question_key(q) for q in questions if q.floor)
         floors = self.engine.cached_floors(wanted)
         missing = [k for k in wanted if k not in floors]
         trees += budget.spend(build_tree(prefix, [], [k]) for k in missing)
@@ -232,7 +232,7 @@ def pack_result(ask: PackAsk, logprobs: list, floors: list) -> api.PackResult:
         cells = [
             rules.cell_score(c, pack.question(c.question).options, combos[c.question]) for c in category.cells
         ]
-        scores[category_id] = rules.category_score(category, cells)
+        scores[category_id] = rules.category_score(category, [c.score for c in cells])
         listed += cells
     label, fired = rules.decide(pack, scores)
     result = api.PackResult(

@@ -149,7 +149,7 @@ def test_cells_categories_and_decision_by_hand():
     )
     assert math.isclose(refund.value, -0.2)
     # max of the weighted scores: 0.7 (about), -0.2 (refund), 2 × 0 (complaint)
-    assert math.isclose(rules.category_score(billing, [refund, about, complaint]), 0.7)
+    assert math.isclose(rules.category_score(billing, [refund.score, about.score, complaint.score]), 0.7)
     assert rules.decide(pack, {"threats": -1.0, "billing": 0.7})[0] == "review"
     assert rules.decide(pack, {"billing": 100.0})[0] == "urgent"  # threats not asked: its rule cannot fire
     assert rules.decide(pack, {"billing": 0.0}) == ("normal", [])

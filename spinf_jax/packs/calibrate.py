@@ -22,7 +22,7 @@ import numpy as np
 import yaml
 
 from spinf_jax.packs.format import Baseline, CalibratedOn, CalibrationData, Pack, Rule
-from spinf_jax.packs.rules import CellScore, calibrate, category_score
+from spinf_jax.packs.rules import calibrate, category_score
 from spinf_jax.scoring import Scorer
 
 BATCH = 16  # rows per request
@@ -95,10 +95,7 @@ def category_scores(pack: Pack, values: np.ndarray) -> dict[str, np.ndarray]:
         n = len(category.cells)
         per_row = []
         for row in values[:, k : k + n]:
-            cells = [
-                CellScore("", "", v, calibrate(c.baseline, v), 0.0, None)
-                for c, v in zip(category.cells, row, strict=True)
-            ]
+            cells = [calibrate(c.baseline, v) for c, v in zip(category.cells, row, strict=True)]
             per_row.append(category_score(category, cells))
         scores[category.id] = np.array(per_row)
         k += n

@@ -59,10 +59,10 @@ def cell_score(
     return CellScore(cell.question, cell.option, v, calibrate(cell.baseline, v), float(np.mean(ps)), floor)
 
 
-def category_score(category: Category, cells: list[CellScore]) -> float:
-    """cells: the category's, in the order of category.cells."""
+def category_score(category: Category, scores: list[float]) -> float:
+    """scores: its cells' calibrated scores, in the order of category.cells."""
     weights = np.array([c.weight for c in category.cells])
-    scores = np.array([c.score for c in cells])
+    scores = np.array(scores)
     if category.combine == "max":
         return float(np.max(weights * scores))
     return float(np.sum(weights * scores) / np.sum(weights))

@@ -38,7 +38,6 @@ from spinf_jax.models.decoder import split
 from spinf_jax.models.layers import DecodeBatch, TreeBatch, by_rows
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
 from spinf_jax.packs.compiled import compile_packs
-from spinf_jax.packs.loader import load_packs
 from spinf_jax.scoring import Scorer
 
 ENGINE_VERSION = "4"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
@@ -409,8 +408,7 @@ class Engine:
         the same path the server takes (spinf_jax.scoring), with the default limits and the official prompt
         packs (compiled on first use; `Scorer(engine, packs=...)` takes others)."""
         if self._scorer is None:
-            tokenizer = self.model.tokenizer
-            self._scorer = Scorer(self, packs=compile_packs(load_packs(), tokenizer) if tokenizer else {})
+            self._scorer = Scorer(self, packs=compile_packs(None, self.model.tokenizer))
         return self._scorer.score(body)
 
     def cached_floors(self, keys) -> dict[QuestionKey, np.ndarray]:

@@ -8,7 +8,7 @@ from spinf_jax import api
 from spinf_jax.compiler import Limits, Query, compile_request
 from spinf_jax.errors import ScoringError
 from spinf_jax.packs.format import Pack, PackError, Presentation
-from spinf_jax.packs.loader import LoadedPack
+from spinf_jax.packs.loader import LoadedPack, load_packs
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,11 @@ def compile_pack(loaded: LoadedPack, tokenizer, limits: Limits | None = None) ->
 
 
 def compile_packs(
-    loaded: dict[str, LoadedPack], tokenizer, limits: Limits | None = None
+    loaded: dict[str, LoadedPack] | None, tokenizer, limits: Limits | None = None
 ) -> dict[str, CompiledPack]:
+    """Packs by id, compiled for a tokenizer; loaded None: the official ones. A model without a tokenizer
+    (scored from token ids) has none."""
+    if tokenizer is None:
+        return {}
+    loaded = load_packs() if loaded is None else loaded
     return {pack_id: compile_pack(pack, tokenizer, limits) for pack_id, pack in loaded.items()}

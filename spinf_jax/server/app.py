@@ -24,7 +24,7 @@ from spinf_jax.decoding import decode
 from spinf_jax.engine import Engine
 from spinf_jax.packer import Buckets, default_sizes
 from spinf_jax.packs.compiled import CompiledPack, compile_packs
-from spinf_jax.packs.loader import describe, load_packs
+from spinf_jax.packs.loader import describe
 from spinf_jax.scoring import Scorer
 from spinf_jax.server.auth import ApiKeys
 from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError, error_responses
@@ -74,8 +74,7 @@ class Server:
             engine.warmup()
             self.memory_needed = engine.device_bytes_needed()
             check_fits(self.memory_needed, s.device_memory_cap_gib)
-            loaded = load_packs() if s.packs is None else s.packs
-            self.packs = compile_packs(loaded, engine.model.tokenizer) if engine.model.tokenizer else {}
+            self.packs = compile_packs(s.packs, engine.model.tokenizer)
             self.scorer = Scorer(engine, packs=self.packs)
             self.runner = Runner(self.scorer, s.max_queue, s.max_delay_ms / 1000)
             self.engine = engine

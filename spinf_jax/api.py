@@ -316,6 +316,144 @@ class ScoreResponse(_Scores, kw_only=True):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Decisions (SPEC section 5)
+
+State = Annotated[
+    str | dict[str, Any] | list[Any],
+    Meta(
+        description="what is decided over: text, or a JSON object or array (written into the prompt as JSON)"
+    ),
+]
+Orderings = Annotated[
+    Literal["rotations", "all"] | None,
+    Meta(
+        description="also ask the options in other orders, each a branch of the same read, and combine them: "
+        '"rotations" (n orders) or "all" (n!, up to 4 options); absent: the order listed only'
+    ),
+]
+Workload = Annotated[
+    str | None,
+    Meta(description="a workload of the server's calibration file: adds `calibrated` (its temperature)"),
+]
+
+
+class DecisionOption(Struct, kw_only=True):
+    id: Annotated[str, Meta(min_length=1, description="names the option in the reply")]
+    description: Annotated[str, Meta(description="what the model reads beside the option's letter")]
+
+
+class DecisionQuestion(Struct, kw_only=True):
+    """One typed question: pick exactly one option (2 to 16, lettered A to P in the prompt)."""
+
+    id: Annotated[str, Meta(min_length=1, description="names the decision in the reply")]
+    question: Annotated[str, Meta(min_length=1, description="the criterion applied to the state")]
+    options: list[DecisionOption]
+    orderings: Orderings = None
+    workload: Workload = None
+
+
+class DecideRequest(DecisionQuestion, kw_only=True):
+    """A decision over a state (POST /decide)."""
+
+    model: Annotated[str | None, Meta(description="a served model's name; absent: the served model")] = None
+    state: State
+
+
+class SharedDecideRequest(Struct, kw_only=True):
+    """Many decisions over one state, which is read once (POST /decide/shared)."""
+
+    model: Annotated[str | None, Meta(description="a served model's name; absent: the served model")] = None
+    state: State
+    decisions: Annotated[list[DecisionQuestion], Meta(min_length=1)]
+    workload: Annotated[
+        str | None, Meta(description="every decision's workload, unless a decision names its own")
+    ] = None
+
+
+class DecisionModel(Struct, kw_only=True):
+    name: str
+    digest: Annotated[str, Meta(description="sha256 of the checkpoint's files")]
+    precision: str
+    versions: "Versions"
+
+
+class OrderingResult(Struct, kw_only=True):
+    order: Annotated[list[str], Meta(description="the option ids in letter order (A first)")]
+    probabilities: Annotated[list[float], Meta(description="per option, in the request's order")]
+    option_logits: list[float]
+    prompt_sha256: str
+
+
+class Combined(Struct, kw_only=True):
+    method: Literal["log-mean"]
+    orderings: Annotated[int, Meta(description="how many orderings were combined")]
+    probabilities: Annotated[
+        list[float], Meta(description="per option: the orderings' mean log-probability, renormalised")
+    ]
+    top: Annotated[str, Meta(description="the most likely option's id")]
+    agreement: Annotated[
+        float,
+        Meta(description="the share of orderings whose most likely option is `top`: a confidence signal"),
+    ]
+    spread: Annotated[
+        float,
+        Meta(description="the largest range, over options, of an option's probability across orderings"),
+    ]
+
+
+class Calibrated(Struct, kw_only=True):
+    workload: str
+    temperature: float
+    probabilities: Annotated[
+        list[float],
+        Meta(description="`combined` (or, without orderings, the native) probabilities at the temperature"),
+    ]
+    top: Annotated[str, Meta(description="the same option as uncalibrated: a temperature keeps the order")]
+
+
+class DecisionResult(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    option_ids: list[str]
+    probabilities: Annotated[
+        list[float], Meta(description="per option: the letters' probabilities renormalised over the letters")
+    ]
+    option_logits: Annotated[
+        list[float],
+        Meta(
+            description="per option: its letter's log-probability at the answer's first position (its logit "
+            "less the position's log-normaliser, which softmax cancels)"
+        ),
+    ]
+    prompt_sha256: Annotated[
+        str, Meta(description="sha256 of the prompt's text, options in the listed order")
+    ]
+    prompt_version: Annotated[
+        str, Meta(description="direct-options-v1 (chat template) or direct-options-plain-v1 (base model)")
+    ]
+    model: DecisionModel
+    input_tokens: Annotated[int, Meta(description="the prompt's tokens, as one forward would read them")]
+    system_fingerprint: str
+    orderings: Annotated[
+        list[OrderingResult] | None, Meta(description="with orderings: each one's result")
+    ] = None
+    combined: Annotated[Combined | None, Meta(description="with orderings: their combination")] = None
+    calibrated: Annotated[Calibrated | None, Meta(description="with a workload")] = None
+
+
+class SharedDecisions(Struct, kw_only=True):
+    id: str
+    object: Literal["decision.list"] = "decision.list"
+    created: int
+    model: DecisionModel
+    system_fingerprint: str
+    state_tokens: Annotated[
+        int, Meta(description="the prompt's tokens up to the end of the state, read once")
+    ]
+    processed_tokens: Annotated[int, Meta(description="every token of the pass: the state once, each branch")]
+    results: Annotated[list[DecisionResult], Meta(description="one per decision, in request order")]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The OpenAI-compatible surface and the server (SPEC section 3)
 
 
@@ -396,6 +534,9 @@ class Health(Struct, kw_only=True, omit_defaults=True):
     ] = None
     memory: DeviceMemory | None = None
     packs: Annotated[list[PackInfo] | None, Meta(description="the prompt packs requests may name")] = None
+    workloads: Annotated[
+        dict[str, float] | None, Meta(description="the calibration file's workloads and their temperatures")
+    ] = None
 
 
 ErrorType = Literal[

@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         help="folder for compiled bucket programs, reused across restarts ('none' to disable)",
     )
     _pack_sources(p)
+    p.add_argument(
+        "--calibration", metavar="FILE", help="per-workload temperatures from `spinf-jax calibrate` (/decide)"
+    )
     p.add_argument("--log-level", default="info", metavar="{critical,error,warning,info,debug,trace}")
     p.add_argument("--check", action="store_true", help="check the settings, then exit: 0 if valid, else 2")
     p.set_defaults(run=_serve)

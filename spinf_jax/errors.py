@@ -32,6 +32,13 @@ CODES: dict[str, tuple[int, str]] = {
     "closing_too_long": (400, "an extraction slot's closing text of more than 16 tokens"),
     "out_of_range": (400, "max_answers (1-8) or max_tokens (1-32 searched, 1-128 generated) out of range"),
     "extraction_unsupported": (400, "a {n} or {$} slot on a model whose tokenizer has no digit tokens"),
+    # Decisions (SPEC section 5)
+    "option_count": (400, "a decision with fewer than 2 or more than 16 options"),
+    "duplicate_option_id": (400, "two options of a decision with one id"),
+    "empty_state": (400, "a decision's state is empty"),
+    "too_many_orderings": (400, '"all" orderings of more than 4 options'),
+    "unknown_workload": (400, "a workload the server's calibration file does not have"),
+    "decisions_unsupported": (501, "the model cannot read a lettered answer as one token after the prompt"),
     # Access, routing and the server's state
     "invalid_api_key": (401, "missing or wrong API key"),
     "model_not_found": (404, "the model named is not served here"),

@@ -6,10 +6,12 @@ checkpoint (GGUF `tokenizer.ggml.add_bos_token`, or what a Hugging Face tokenize
 Gemma without its BOS gives garbage scores.
 """
 
+import functools
 import json
 import os
 from pathlib import Path
 
+import jinja2.sandbox
 import numpy as np
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
@@ -24,10 +26,19 @@ _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 
 class Tokenizer:
-    def __init__(self, backend: tokenizers.Tokenizer, bos_id: int | None, add_bos: bool):
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        bos_id: int | None,
+        add_bos: bool,
+        chat_template: str | None = None,
+        eos_id: int | None = None,
+    ):
         self.backend = backend
         self.bos_id = bos_id
         self.add_bos = add_bos and bos_id is not None
+        self.chat_template = chat_template  # Jinja source, as the checkpoint carries it; None for base models
+        self.eos_id = eos_id
 
     def encode(self, text: str) -> list[int]:
         """Token ids of one piece of text, no special tokens added."""
@@ -43,21 +54,38 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)
 
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The text of a conversation as the model's chat template writes it, ending where the assistant's
+        reply starts (add_generation_prompt). Rendered in Jinja's sandbox: a template is data from the
+        checkpoint, not code we trust."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        token = self.backend.id_to_token
+        return _compile_template(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=token(self.bos_id) if self.bos_id is not None else "",
+            eos_token=token(self.eos_id) if self.eos_id is not None else "",
+        )
+
     @staticmethod
     def from_folder(folder: Path) -> "Tokenizer":
         folder = Path(folder)
         backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         config_file = folder / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
-        bos = config.get("bos_token")
-        bos = bos.get("content") if isinstance(bos, dict) else bos
-        bos_id = backend.token_to_id(bos) if bos else None
+        bos_id, eos_id = (_special_id(backend, config.get(name)) for name in ("bos_token", "eos_token"))
         if "add_bos_token" in config:
             add_bos = bool(config["add_bos_token"])
         else:  # no flag: BOS is wanted exactly when the tokenizer's own post-processor adds it
             ids = backend.encode("a", add_special_tokens=True).ids
             add_bos = bos_id is not None and ids[:1] == [bos_id]
-        return Tokenizer(backend, bos_id, add_bos)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one scores
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        return Tokenizer(backend, bos_id, add_bos, template, eos_id)
 
     @staticmethod
     def from_gguf(gguf_file) -> "Tokenizer":
@@ -71,8 +99,30 @@ class Tokenizer:
                 if value is not None:
                     fields[name] = list(value) if isinstance(value, list | np.ndarray) else value
             backend = GGUF_TO_FAST_CONVERTERS[gguf_file.config["model_type"]](fields).converted()
-        bos_id = gguf_file.field("tokenizer.ggml.bos_token_id")
-        return Tokenizer(backend, bos_id, bool(gguf_file.field("tokenizer.ggml.add_bos_token", False)))
+        return Tokenizer(
+            backend,
+            gguf_file.field("tokenizer.ggml.bos_token_id"),
+            bool(gguf_file.field("tokenizer.ggml.add_bos_token", False)),
+            gguf_file.field("tokenizer.chat_template"),
+            gguf_file.field("tokenizer.ggml.eos_token_id"),
+        )
+
+
+def _special_id(backend: tokenizers.Tokenizer, token: str | dict | None) -> int | None:
+    token = token.get("content") if isinstance(token, dict) else token
+    return backend.token_to_id(token) if token else None
+
+
+def _raise(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@functools.cache
+def _compile_template(source: str) -> jinja2.Template:
+    # The settings chat templates are written for (transformers renders them the same way).
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(source)
 
 
 def _sentencepiece_bpe(gguf_file) -> tokenizers.Tokenizer:

@@ -42,21 +42,20 @@ class SlowEngine:
 
 def _runner(max_queue=8) -> tuple[Runner, SlowEngine]:
     engine = SlowEngine()
-    scorer = SimpleNamespace(engine=engine, finish=lambda plan, scored: scored)
-    return Runner(scorer, max_queue=max_queue, max_delay=0.0), engine
+    return Runner(engine, max_queue=max_queue, max_delay=0.0), engine
 
 
-def _plan(tokens: int):
-    return SimpleNamespace(trees=[[0] * tokens])
+def _submit(runner: Runner, tokens: int):
+    return runner.submit(SimpleNamespace(trees=[[0] * tokens]), lambda plan, scored: scored)
 
 
 def test_retry_after_is_the_queue_over_the_measured_rate():
     runner, engine = _runner()
     assert runner.retry_after() == 1  # nothing measured yet
     engine.gate.set()
-    runner.submit(_plan(200)).result(timeout=10)  # measures ~1,000 tokens/s
+    _submit(runner, 200).result(timeout=10)  # measures ~1,000 tokens/s
     engine.gate.clear()
-    futures = [runner.submit(_plan(1000)) for _ in range(6)]  # 6,000 tokens: about 6 s of work
+    futures = [_submit(runner, 1000) for _ in range(6)]  # 6,000 tokens: about 6 s of work
     assert 4 <= runner.retry_after() <= 8
     engine.gate.set()
     for f in futures:
@@ -66,9 +65,9 @@ def test_retry_after_is_the_queue_over_the_measured_rate():
 
 def test_a_cancelled_request_is_dropped_before_its_pass():
     runner, engine = _runner()
-    first = runner.submit(_plan(10))  # the engine thread takes it and waits at the gate
+    first = _submit(runner, 10)  # the engine thread takes it and waits at the gate
     time.sleep(0.2)
-    left, stays = runner.submit(_plan(20)), runner.submit(_plan(30))
+    left, stays = _submit(runner, 20), _submit(runner, 30)
     assert left.cancel()  # its client hung up while it was queued
     engine.gate.set()
     assert first.result(timeout=10) == [10] and stays.result(timeout=10) == [30]
@@ -78,7 +77,7 @@ def test_a_cancelled_request_is_dropped_before_its_pass():
 
 def test_shutdown_answers_what_was_accepted():
     runner, engine = _runner()
-    futures = [runner.submit(_plan(10)) for _ in range(3)]
+    futures = [_submit(runner, 10) for _ in range(3)]
     engine.gate.set()
     runner.close()
     assert [f.result(timeout=1) for f in futures] == [[10]] * 3
@@ -86,9 +85,9 @@ def test_shutdown_answers_what_was_accepted():
 
 def test_shutdown_fails_what_it_cannot_finish(monkeypatch):
     runner, engine = _runner()
-    runner.submit(_plan(10))  # holds the engine thread at the gate
+    _submit(runner, 10)  # holds the engine thread at the gate
     time.sleep(0.2)
-    waiting = runner.submit(_plan(10))
+    waiting = _submit(runner, 10)
     monkeypatch.setattr(runner._thread, "join", lambda timeout: None)  # the thread does not finish in time
     runner.close()
     with pytest.raises(ScoringError) as e:

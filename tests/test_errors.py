@@ -168,10 +168,10 @@ def test_server_codes_are_reachable(client, monkeypatch):
     monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 0)
     reached.add(code_of(client.post("/v1/score", json=_body()), 408))
     monkeypatch.undo()
-    stopped = Runner(server.scorer)
+    stopped = Runner(server.engine)
     stopped.close()
     with pytest.raises(ScoringError) as e:
-        stopped.submit(None)
+        stopped.submit(None, server.scorer.finish)
     reached.add(e.value.code)
 
     loading = Server(Settings("spinf/gemma-3-270m"))

@@ -20,6 +20,7 @@ from litestar.params import JSONBody
 from litestar.types import ASGIApp
 
 from spinf_jax import api
+from spinf_jax.decisions import Decider
 from spinf_jax.decoding import decode
 from spinf_jax.engine import Engine
 from spinf_jax.packer import Buckets, default_sizes
@@ -52,6 +53,7 @@ class Server:
     metrics: Metrics = field(default_factory=Metrics)
     engine: Engine | None = None
     scorer: Scorer | None = None
+    decider: Decider | None = None
     runner: Runner | None = None
     failure: str | None = None
     ready_at: int | None = None
@@ -76,7 +78,8 @@ class Server:
             check_fits(self.memory_needed, s.device_memory_cap_gib)
             self.packs = compile_packs(s.packs, engine.model.tokenizer)
             self.scorer = Scorer(engine, packs=self.packs)
-            self.runner = Runner(self.scorer, s.max_queue, s.max_delay_ms / 1000)
+            self.decider = Decider(engine, calibration=s.calibration)
+            self.runner = Runner(engine, s.max_queue, s.max_delay_ms / 1000)
             self.engine = engine
             self.ready_at = int(time.time())
         except Exception as exc:  # noqa: BLE001 - reported by /health and every request
@@ -85,12 +88,23 @@ class Server:
     def names(self) -> list[str]:
         return [self.engine.model.name, *self.settings.served_names] if self.engine else []
 
-    def require_ready(self) -> Scorer:
+    def require_ready(self) -> None:
         if self.engine is None:
             if self.failure:
                 raise ApiError("model_failed", f"the model failed to load: {self.failure}")
             raise ApiError("warming_up", "the model is loading and compiling; retry shortly", retry_after=5)
-        return self.scorer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names():
+            raise ApiError("model_not_found", f"model {model!r} is not served here; see /v1/models", "model")
+
+    async def answer(self, request: Request, plan, finish):
+        """Queue a plan (made on a worker thread) for the engine thread and await its response."""
+        try:
+            future = self.runner.submit(plan, finish)
+        except QueueFull:
+            raise _queue_full(self.runner) from None
+        return await _answer_unless_client_leaves(request, future)
 
 
 def _server(connection: ASGIConnection) -> Server:
@@ -137,15 +151,10 @@ def _metrics_behind_key(connection: ASGIConnection, handler: BaseRouteHandler) -
 
 async def _score(request: Request, body: api.ScoreRequest) -> api.ScoreResponse:
     server = _server(request)
-    scorer = server.require_ready()
-    if body.model is not None and body.model not in server.names():
-        raise ApiError("model_not_found", f"model {body.model!r} is not served here; see /v1/models", "model")
-    plan = await anyio.to_thread.run_sync(scorer.plan, body)
-    try:
-        future = server.runner.submit(plan)
-    except QueueFull:
-        raise _queue_full(server.runner) from None
-    response = await _answer_unless_client_leaves(request, future)
+    server.require_ready()
+    server.check_model(body.model)
+    plan = await anyio.to_thread.run_sync(server.scorer.plan, body)
+    response = await server.answer(request, plan, server.scorer.finish)
     if body.model is not None:
         response.model = body.model
     server.metrics.scored(response)
@@ -238,6 +247,29 @@ async def chat_completions(request: Request, data: JSONBody[api.ChatCompletionRe
     )
 
 
+async def _decide(request: Request, body: api.DecideRequest | api.SharedDecideRequest):
+    server = _server(request)
+    server.require_ready()
+    server.check_model(body.model)
+    plan = await anyio.to_thread.run_sync(server.decider.plan, body)
+    return await server.answer(request, plan, server.decider.finish)
+
+
+@post("/decide", summary="One typed decision over a state (docs/decisions.md)", **SCORING_ROUTE)
+async def decide(request: Request, data: JSONBody[api.DecideRequest]) -> api.DecisionResult:
+    """The probability of each option, read from its letter at the first position of the model's answer;
+    with `orderings`, every ordering of the options is a branch of the same read, combined."""
+    return await _decide(request, data)
+
+
+@post(
+    "/decide/shared", summary="Many decisions over one state, read once (docs/decisions.md)", **SCORING_ROUTE
+)
+async def decide_shared(request: Request, data: JSONBody[api.SharedDecideRequest]) -> api.SharedDecisions:
+    """Each decision's result is bit-identical to asking it alone on /decide."""
+    return await _decide(request, data)
+
+
 @get(
     "/v1/models",
     guards=[_authorize],
@@ -293,6 +325,8 @@ async def health(request: Request) -> Response[api.Health]:
         body.buckets = list(engine.buckets.sizes)
         body.limits = {**dataclasses.asdict(server.scorer.limits), "max_body_bytes": MAX_BODY}
         body.packs = [describe(p.loaded) for p in server.packs.values()]
+        calibration = server.settings.calibration
+        body.workloads = {n: w.temperature for n, w in calibration.workloads.items()} if calibration else None
         stats = jax.devices()[0].memory_stats() or {}  # None on the CPU
         body.memory = api.DeviceMemory(
             needed_bytes=server.memory_needed,
@@ -349,7 +383,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
     """The app; it loads (or takes) the engine in the background and answers 503 until it is compiled."""
     server = Server(settings)
     app = Litestar(
-        route_handlers=[score, chat_completions, models, packs, health, metrics],
+        route_handlers=[score, chat_completions, decide, decide_shared, models, packs, health, metrics],
         guards=[_metrics_behind_key] if settings.metrics_auth else [],
         request_class=ApiRequest,
         exception_handlers={**EXCEPTION_HANDLERS, ClientGone: lambda *_: Response(b"", status_code=499)},

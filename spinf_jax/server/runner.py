@@ -9,27 +9,31 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from spinf_jax.errors import ScoringError
-from spinf_jax.scoring import Plan, Scorer
+
+# A plan is anything with `trees` (spinf_jax.scoring.Plan, spinf_jax.decisions.DecisionPlan); its finish
+# turns the plan and its trees' results into the response.
+Finish = Callable[[Any, list], Any]
 
 
 class QueueFull(Exception):
     pass
 
 
-def _tokens(plan: Plan) -> int:
+def _tokens(plan) -> int:
     return sum(len(t) for t in plan.trees)
 
 
 class Runner:
-    def __init__(self, scorer: Scorer, max_queue: int = 64, max_delay: float = 0.005):
-        self.scorer = scorer
-        self.engine = scorer.engine
+    def __init__(self, engine, max_queue: int = 64, max_delay: float = 0.005):
+        self.engine = engine
         self.max_queue = max_queue
         self.max_delay = max_delay
-        self._queue: queue.Queue[tuple[Plan, Future] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Any, Finish, Future] | None] = queue.Queue()
         self._pending = 0  # requests queued, not yet gathered into a pass
         self._tokens_left = 0  # tokens of every request accepted and not yet answered
         self._tokens_per_second: float | None = None  # measured over recent passes
@@ -53,9 +57,9 @@ class Runner:
             tokens, rate = self._tokens_left, self._tokens_per_second
         return max(1, math.ceil(tokens / rate)) if rate else 1
 
-    def submit(self, plan: Plan) -> Future:
-        """Queue a plan; its future gets the response. Cancel the future to drop the plan (a client that
-        left): the runner skips it unless its pass has started."""
+    def submit(self, plan, finish: Finish) -> Future:
+        """Queue a plan; its future gets finish(plan, its trees' results). Cancel the future to drop the plan
+        (a client that left): the runner skips it unless its pass has started."""
         with self._lock:
             if self._closed:
                 raise ScoringError("shutting_down", "the server is stopping; retry shortly")
@@ -64,7 +68,7 @@ class Runner:
             self._pending += 1
             self._tokens_left += _tokens(plan)
         future: Future = Future()
-        self._queue.put((plan, future))
+        self._queue.put((plan, finish, future))
         return future
 
     def close(self) -> None:
@@ -80,9 +84,9 @@ class Runner:
             except queue.Empty:
                 return
             if item is not None:
-                item[1].set_exception(ScoringError("shutting_down", "the server is stopping; retry shortly"))
+                item[2].set_exception(ScoringError("shutting_down", "the server is stopping; retry shortly"))
 
-    def _gather(self, first: tuple[Plan, Future]) -> list[tuple[Plan, Future]]:
+    def _gather(self, first: tuple) -> list[tuple[Any, Finish, Future]]:
         batch, tokens = [first], _tokens(first[0])
         deadline = time.monotonic() + self.max_delay
         while tokens < self.engine.buckets.largest:
@@ -101,31 +105,31 @@ class Runner:
         while (first := self._queue.get()) is not None:
             batch = self._gather(first)
             # A cancelled future is a client that left while queued: its plan is dropped here.
-            live = [(plan, future) for plan, future in batch if future.set_running_or_notify_cancel()]
+            live = [item for item in batch if item[2].set_running_or_notify_cancel()]
             with self._lock:
                 self._pending -= len(batch)
-                self._tokens_left -= sum(_tokens(plan) for plan, future in batch if future.cancelled())
+                self._tokens_left -= sum(_tokens(plan) for plan, _, future in batch if future.cancelled())
             if live:
                 self._score(live)
 
-    def _score(self, batch: list[tuple[Plan, Future]]) -> None:
-        trees = [tree for plan, _ in batch for tree in plan.trees]
+    def _score(self, batch: list[tuple[Any, Finish, Future]]) -> None:
+        trees = [tree for plan, _, _ in batch for tree in plan.trees]
         tokens = sum(len(t) for t in trees)
         start = time.perf_counter()
         try:
             scored = self.engine.score_trees(trees)
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
-            for _, future in batch:
+            for _, _, future in batch:
                 future.set_exception(exc)
             return
         finally:
             self._measured(tokens, time.perf_counter() - start)
         start = 0
-        for plan, future in batch:
+        for plan, finish, future in batch:
             mine = scored[start : start + len(plan.trees)]
             start += len(plan.trees)
             try:
-                future.set_result(self.scorer.finish(plan, mine))
+                future.set_result(finish(plan, mine))
             except Exception as exc:  # noqa: BLE001
                 future.set_exception(exc)
 

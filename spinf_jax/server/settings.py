@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spinf_jax.calibration import Calibration, CalibrationError, load_calibration
 from spinf_jax.loader import BUILTIN_MODELS, DEFAULT_MODEL, default_row_tile
 from spinf_jax.packer import Buckets
 from spinf_jax.packs.format import PackError
@@ -38,6 +39,8 @@ class Settings:
     device_memory_cap_gib: float | None = None
     # The prompt packs requests may name, read and checked (spinf_jax.packs.loader); None: the official ones.
     packs: dict[str, LoadedPack] | None = field(default=None, compare=False, repr=False)
+    # Per-workload temperatures for decisions (spinf_jax.calibration), read and checked; None: no workloads.
+    calibration: Calibration | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,8 @@ class Launch:
             f"{s.model} ({s.precision}) on {self.host}:{self.port}; {keys}, /metrics "
             f"{'behind the key' if s.metrics_auth else 'open'}; buckets {s.buckets or 'by backend'}; "
             f"queue {s.max_queue}, delay {s.max_delay_ms:g} ms; device memory "
-            f"{f'at most {cap:g} GiB' if cap else 'uncapped'}; packs {', '.join(s.packs or {}) or 'none'}"
+            f"{f'at most {cap:g} GiB' if cap else 'uncapped'}; packs {', '.join(s.packs or {}) or 'none'}; "
+            f"workloads {', '.join(s.calibration.workloads) if s.calibration else 'none'}"
         )
 
 
@@ -102,10 +106,17 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         packs = load_packs(args.packs, official=not args.no_official_packs)
     except PackError as e:
         problems.append(f"--packs: {e}")
+    calibration = None
+    if args.calibration is not None:
+        try:
+            calibration = load_calibration(args.calibration)
+        except CalibrationError as e:
+            problems.append(f"--calibration: {e}")
     if problems:
         raise SettingsError(problems)
     settings = Settings(
         packs=packs,
+        calibration=calibration,
         model=model,
         precision=args.precision,
         buckets=buckets,

@@ -1,0 +1,243 @@
+"""Per-workload temperatures: one number T per workload that turns a model's option probabilities into
+calibrated ones, p_cal ∝ p^(1/T), fitted by NLL on that workload's labelled rows. T > 0 never changes
+which option is most likely: calibration changes how sure an answer says it is, not the answer.
+
+The calibration file (written by `spinf-jax calibrate`, read by `spinf-jax serve --calibration`) is JSON:
+
+    {"version": 1, "model": ..., "system_fingerprint": ..., "workloads": {name: {"temperature": T, ...}}}
+
+It is checked fail-closed: a file that is missing, does not parse, or holds a T that is not a finite number
+in [MIN_T, MAX_T] stops the server from starting.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MIN_T, MAX_T = 0.05, 20.0
+BINS = 10  # top-label ECE's equal-width confidence bins
+FOLDS = 5
+
+
+class CalibrationError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Workload:
+    temperature: float
+    orderings: str | None = None  # the orderings its rows were scored with (the file's "orderings")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    workloads: dict[str, Workload]
+    path: str = ""
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read and check a calibration file; raises CalibrationError naming the file and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise CalibrationError(f"{path}: no such file")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CalibrationError(f"{path}: not JSON: {exc}") from None
+    workloads = data.get("workloads") if isinstance(data, dict) else None
+    if not isinstance(workloads, dict) or not workloads:
+        raise CalibrationError(f"{path}: workloads: expected an object of at least one workload")
+    out = {}
+    for name, entry in workloads.items():
+        t = entry.get("temperature") if isinstance(entry, dict) else None
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, int | float)
+            or not math.isfinite(t)
+            or not MIN_T <= t <= MAX_T
+        ):
+            raise CalibrationError(
+                f"{path}: workloads.{name}.temperature: expected a finite number in [{MIN_T}, {MAX_T}], "
+                f"got {t!r}"
+            )
+        orderings = entry.get("orderings")
+        if orderings not in (None, "rotations", "all"):
+            raise CalibrationError(
+                f"{path}: workloads.{name}.orderings: {orderings!r} is not rotations or all"
+            )
+        out[name] = Workload(float(t), orderings)
+    return Calibration(out, str(path))
+
+
+def apply_temperature(logprobs: np.ndarray, temperature: float) -> np.ndarray:
+    """Probabilities ∝ exp(logprobs / T) over the options (log-probabilities or logits: shifts cancel)."""
+    z = np.asarray(logprobs, np.float64) / temperature
+    w = np.exp(z - np.max(z))
+    return w / np.sum(w)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fitting and measuring. Rows are (log-probabilities over their options, index of the right option); rows
+# may have different numbers of options.
+
+
+def nll(rows: list[tuple[np.ndarray, int]], temperature: float = 1.0) -> float:
+    return float(np.mean([-math.log(max(apply_temperature(lp, temperature)[y], 1e-300)) for lp, y in rows]))
+
+
+def fit_temperature(rows: list[tuple[np.ndarray, int]]) -> float:
+    """The T in [MIN_T, MAX_T] of least NLL. NLL is convex in 1/T (a log-sum-exp minus a linear term), so a
+    golden-section search over 1/T finds its minimum on the interval."""
+    lo, hi = 1 / MAX_T, 1 / MIN_T
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    fa, fb = nll(rows, 1 / a), nll(rows, 1 / b)
+    for _ in range(80):  # the interval shrinks by 0.618 a step: 80 steps leave ~1e-16 of it
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - ratio * (hi - lo)
+            fa = nll(rows, 1 / a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + ratio * (hi - lo)
+            fb = nll(rows, 1 / b)
+    return float(1 / ((lo + hi) / 2))
+
+
+def metrics(probabilities: list[np.ndarray], labels: list[int]) -> dict[str, float]:
+    """Accuracy, balanced accuracy (mean recall over the labels present), NLL, Brier (squared error over all
+    options, summed per row, averaged), and top-label ECE over BINS equal-width bins."""
+    top = np.array([int(np.argmax(p)) for p in probabilities])
+    y = np.array(labels)
+    right = top == y
+    conf = np.array([float(np.max(p)) for p in probabilities])
+    recalls = [float(np.mean(right[y == label])) for label in np.unique(y)]
+    brier = [float(np.sum((p - np.eye(len(p))[t]) ** 2)) for p, t in zip(probabilities, labels, strict=True)]
+    bins = np.minimum((conf * BINS).astype(int), BINS - 1)
+    ece = sum(
+        abs(float(np.mean(right[bins == b])) - float(np.mean(conf[bins == b]))) * np.mean(bins == b)
+        for b in range(BINS)
+        if np.any(bins == b)
+    )
+    return {
+        "accuracy": float(np.mean(right)),
+        "balanced_accuracy": float(np.mean(recalls)),
+        "nll": float(
+            np.mean([-math.log(max(p[t], 1e-300)) for p, t in zip(probabilities, labels, strict=True)])
+        ),
+        "brier": float(np.mean(brier)),
+        "ece": float(ece),
+    }
+
+
+def folds(n: int, groups: list[str] | None, k: int = FOLDS, seed: int = 0) -> np.ndarray:
+    """Each row's fold; rows of one group share a fold (group-disjoint), assigned in a seeded shuffle."""
+    rng = np.random.default_rng(seed)
+    keys = groups if groups is not None else [str(i) for i in range(n)]
+    distinct = sorted(set(keys))
+    fold_of = dict(zip(distinct, rng.permutation(len(distinct)) % k, strict=True))
+    return np.array([fold_of[key] for key in keys])
+
+
+def out_of_fold(
+    rows: list[tuple[np.ndarray, int]], groups: list[str] | None
+) -> tuple[list[np.ndarray], list[float]]:
+    """Each row's probabilities under the temperature fitted on the other folds, and those temperatures."""
+    if len(set(groups if groups is not None else range(len(rows)))) < 2:
+        raise CalibrationError("out-of-fold measurement needs rows of two groups at least")
+    assigned = folds(len(rows), groups)
+    calibrated: list[np.ndarray | None] = [None] * len(rows)
+    temperatures = []
+    for fold in range(FOLDS):
+        held = np.flatnonzero(assigned == fold)
+        if len(held) == 0 or len(held) == len(rows):
+            continue
+        t = fit_temperature([rows[i] for i in np.flatnonzero(assigned != fold)])
+        temperatures.append(t)
+        for i in held:
+            calibrated[i] = apply_temperature(rows[i][0], t)
+    return calibrated, temperatures
+
+
+def bootstrap(
+    probabilities: list[np.ndarray],
+    labels: list[int],
+    groups: list[str] | None,
+    draws: int = 1000,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """95% percentile intervals of every metric, resampling rows (or whole groups, when rows have them)."""
+    rng = np.random.default_rng(seed)
+    keys = groups if groups is not None else [str(i) for i in range(len(labels))]
+    members: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        members.setdefault(key, []).append(i)
+    units = list(members.values())
+    samples: dict[str, list[float]] = {}
+    for _ in range(draws):
+        picked = [i for u in rng.integers(0, len(units), len(units)) for i in units[u]]
+        for name, value in metrics([probabilities[i] for i in picked], [labels[i] for i in picked]).items():
+            samples.setdefault(name, []).append(value)
+    return {
+        name: [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] for name, v in samples.items()
+    }
+
+
+def reliability_plot(curves: dict[str, tuple[list[np.ndarray], list[int]]], path: Path, title: str) -> None:
+    """A reliability diagram (accuracy against confidence per bin) of each named set of predictions."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: the plot goes to a file
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", label="perfectly calibrated")
+    for name, (probabilities, labels) in curves.items():
+        conf = np.array([float(np.max(p)) for p in probabilities])
+        right = np.array([int(np.argmax(p)) == y for p, y in zip(probabilities, labels, strict=True)])
+        bins = np.minimum((conf * BINS).astype(int), BINS - 1)
+        used = [b for b in range(BINS) if np.any(bins == b)]
+        ax.plot(
+            [float(np.mean(conf[bins == b])) for b in used],
+            [float(np.mean(right[bins == b])) for b in used],
+            marker="o",
+            label=f"{name} (ECE {metrics(probabilities, labels)['ece']:.3f})",
+        )
+    ax.set(
+        xlabel="confidence (top option's probability)",
+        ylabel="accuracy",
+        xlim=(0, 1),
+        ylim=(0, 1),
+        title=title,
+    )
+    ax.legend(loc="upper left")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def report(
+    rows: list[tuple[np.ndarray, int]], groups: list[str] | None, draws: int = 1000
+) -> tuple[dict, list[np.ndarray], list[np.ndarray]]:
+    """What `spinf-jax calibrate` writes for one workload: T fitted on every row, and the metrics before and
+    after temperature scaling measured out of fold, each with its bootstrap interval; with the rows'
+    probabilities before and after (out of fold), for the plot."""
+    raw = [apply_temperature(lp, 1.0) for lp, _ in rows]
+    labels = [y for _, y in rows]
+    calibrated, fold_temperatures = out_of_fold(rows, groups)
+    return (
+        {
+            "temperature": fit_temperature(rows),
+            "rows": len(rows),
+            "groups": len(set(groups)) if groups is not None else None,
+            "fold_temperatures": fold_temperatures,
+            "before": metrics(raw, labels),
+            "before_ci95": bootstrap(raw, labels, groups, draws),
+            "after_out_of_fold": metrics(calibrated, labels),
+            "after_out_of_fold_ci95": bootstrap(calibrated, labels, groups, draws),
+        },
+        raw,
+        calibrated,
+    )

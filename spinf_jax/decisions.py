@@ -1,0 +1,407 @@
+"""Typed decisions (SPEC section 5): a question over a state, answered as a probability over a fixed set of
+options, read from the options' letters at the first position of the model's answer.
+
+    decider = Decider(engine)
+    decider.decide({"id": "d1", "state": "...", "question": "...", "options": [...]})
+
+The prompt is SemIf's `direct-options-v1`, so its prompts and their sha256 compare with that service: a
+system instruction, then one JSON object as the user's message, through the model's chat template:
+
+    {"evidence": <state>, "criterion": <question>, "options": [{"letter": "A", "description": ...}, ...]}
+
+A model without a chat template (a base model) reads PLAIN instead and answers after "Answer:", with a
+space before the letter (`direct-options-plain-v1`).
+
+Every decision, and every ordering of a decision's options, is a branch of one read of the state: the
+tree's trunk is the prompt up to the end of the state, a branch the rest of that prompt, its options the
+letters. So a decision's bits do not depend on the other decisions asked with it, on how many orderings are
+asked, or on the order they are listed in (the combination sums in a canonical order).
+"""
+
+import hashlib
+import itertools
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import TYPE_CHECKING
+
+import jax
+import msgspec
+import numpy as np
+from msgspec.structs import replace
+
+from spinf_jax import api
+from spinf_jax.calibration import Calibration, apply_temperature
+from spinf_jax.compiler import Limits
+from spinf_jax.decoding import convert
+from spinf_jax.errors import ScoringError
+from spinf_jax.layout import QuestionKey, Tree
+from spinf_jax.packer import content_trees
+
+if TYPE_CHECKING:
+    from spinf_jax.engine import Engine, Scored
+
+LETTERS = "ABCDEFGHIJKLMNOP"
+MAX_ALL_ORDERINGS = 4  # "all" asks n! orderings: 24 at 4 options, 120 at 5
+SYSTEM = (
+    "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
+    "Respond with only its uppercase letter, with no explanation or reasoning."
+)
+CHAT_VERSION = "direct-options-v1"
+PLAIN_VERSION = "direct-options-plain-v1"
+# A base model's prompt: SYSTEM, the payload, then the answer's cue (the letter follows with a space).
+PLAIN_HEAD, PLAIN_TAIL = SYSTEM + "\n\n", "\n\nAnswer:"
+
+
+def payload(state, question: str, descriptions: list[str]) -> tuple[str, int]:
+    """The user's message, and where the state ends in it (characters)."""
+    options = [{"letter": LETTERS[j], "description": d} for j, d in enumerate(descriptions)]
+    text = json.dumps({"evidence": state, "criterion": question, "options": options}, ensure_ascii=False)
+    return text, len('{"evidence": ') + len(json.dumps(state, ensure_ascii=False))
+
+
+class Format:
+    """How one tokenizer is asked decisions: the prompt's wording, and the letters' tokens. Refuses a
+    tokenizer that cannot read a letter as one token that stays apart from the text before it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.chat = tokenizer.chat_template is not None
+        self.version = CHAT_VERSION if self.chat else PLAIN_VERSION
+        self.letter_texts = [letter if self.chat else " " + letter for letter in LETTERS]
+        probe = self.render("x", "q", ["a", "b"])[0]
+        probe_ids = tokenizer.encode(probe)
+        self.letter_ids = []
+        for text in self.letter_texts:
+            ids = tokenizer.encode(text)
+            if (
+                len(ids) != 1
+                or tokenizer.decode(ids) != text
+                or tokenizer.encode(probe + text)
+                != [
+                    *probe_ids,
+                    *ids,
+                ]
+            ):
+                raise ScoringError(
+                    "decisions_unsupported",
+                    f"this model's tokenizer does not read the answer {text!r} as one token of its own after "
+                    "the prompt, so decisions cannot be read from it",
+                )
+            self.letter_ids.append(ids[0])
+
+    def render(self, state, question: str, descriptions: list[str]) -> tuple[str, int]:
+        """The prompt's text, and where the state ends in it (characters)."""
+        user, state_end = payload(state, question, descriptions)
+        if not self.chat:
+            return PLAIN_HEAD + user + PLAIN_TAIL, len(PLAIN_HEAD) + state_end
+        text = self.tokenizer.render_chat(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+        )
+        at = text.find(user)
+        if at < 0:
+            raise ScoringError(
+                "decisions_unsupported",
+                "this model's chat template rewrites the user's message, so the state cannot be read once "
+                "for many decisions",
+            )
+        return text, at + state_end
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A request's decisions → token trees
+
+
+@dataclass(frozen=True)
+class Ordering:
+    order: tuple[int, ...]  # the options' indices in letter order
+    prompt_sha256: str
+    branch_ids: tuple[int, ...]  # the prompt after the trunk
+    input_tokens: int  # the whole prompt's, BOS included
+
+
+@dataclass(frozen=True)
+class Decision:
+    id: str
+    option_ids: tuple[str, ...]
+    orderings: tuple[Ordering, ...]  # the options as listed first
+    averaged: bool  # orderings were asked for
+    workload: str | None
+
+
+def orderings(n: int, which: str | None) -> list[tuple[int, ...]]:
+    """The option orders asked, the order listed first."""
+    if which is None:
+        return [tuple(range(n))]
+    if which == "rotations":
+        return [tuple((k + j) % n for j in range(n)) for k in range(n)]
+    return list(itertools.permutations(range(n)))
+
+
+def _at(param: str, name: str) -> str:
+    """A field of a decision: top-level in /decide (param ""), decisions[i].name in /decide/shared."""
+    return f"{param}.{name}" if param else name
+
+
+def _check(question: api.DecisionQuestion, param: str, calibration: Calibration | None) -> None:
+    n = len(question.options)
+    if not 2 <= n <= len(LETTERS):
+        raise ScoringError(
+            "option_count", f"{n} options; a decision has 2 to {len(LETTERS)}", _at(param, "options")
+        )
+    seen = set()
+    for j, option in enumerate(question.options):
+        if option.id in seen:
+            raise ScoringError(
+                "duplicate_option_id",
+                f"option id {option.id!r} is used twice",
+                _at(param, f"options[{j}].id"),
+            )
+        seen.add(option.id)
+    if question.orderings == "all" and n > MAX_ALL_ORDERINGS:
+        raise ScoringError(
+            "too_many_orderings",
+            f'"all" orderings of {n} options would be {np.prod(range(1, n + 1)):,} prompts; it is allowed up '
+            f'to {MAX_ALL_ORDERINGS} options: use "rotations"',
+            _at(param, "orderings"),
+        )
+    workload = question.workload
+    if workload is not None and (calibration is None or workload not in calibration.workloads):
+        known = ", ".join(sorted(calibration.workloads)) if calibration else "none: serve with --calibration"
+        raise ScoringError(
+            "unknown_workload", f"no calibration for workload {workload!r} (loaded: {known})",
+            _at(param, "workload"),
+        )  # fmt: skip
+
+
+def compile_decisions(
+    state,
+    questions: list[api.DecisionQuestion],
+    params: list[str],
+    form: Format,
+    limits: Limits,
+    calibration: Calibration | None,
+) -> tuple[tuple[int, ...], list[Decision]]:
+    """The state's trunk (tokens without BOS) and each decision's orderings as branches; raises
+    ScoringError."""  # fmt: skip
+    if state in ("", {}, []) or (isinstance(state, str) and not state.strip()):
+        raise ScoringError("empty_state", "the state is empty: give the text or JSON to decide over", "state")
+    tokenizer, prefix = form.tokenizer, form.tokenizer.prefix()
+    trunk, decisions = None, []
+    for question, param in zip(questions, params, strict=True):
+        _check(question, param, calibration)
+        descriptions = [o.description for o in question.options]
+        asked = []
+        for order in orderings(len(descriptions), question.orderings):
+            text, state_end = form.render(state, question.question, [descriptions[i] for i in order])
+            encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+            ids = list(encoding.ids)
+            if prefix and ids[:1] == prefix:  # the template wrote BOS itself; the tree adds it
+                ids = ids[1:]
+                offsets = encoding.offsets[1:]
+            else:
+                offsets = encoding.offsets
+            cut = sum(1 for _, end in offsets if end <= state_end)
+            if trunk is None:
+                trunk = tuple(ids[:cut])
+                if len(trunk) > limits.max_content_tokens:
+                    raise ScoringError(
+                        "content_too_long",
+                        f"the state's prompt is {len(trunk)} tokens; at most {limits.max_content_tokens}",
+                        "state",
+                    )
+            if tuple(ids[:cut]) != trunk:
+                raise ScoringError(
+                    "decisions_unsupported",
+                    "this model's tokenizer joins the end of the state with the text after it, so the state "
+                    "cannot be read once for many decisions",
+                    param,
+                )
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            asked.append(Ordering(order, digest, tuple(ids[cut:]), len(prefix) + len(ids)))
+        decisions.append(
+            Decision(question.id, tuple(o.id for o in question.options), tuple(asked),
+                     question.orderings is not None, question.workload)
+        )  # fmt: skip
+    return trunk, decisions
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scores → the reply
+
+
+def _distribution(logprobs: np.ndarray) -> np.ndarray:
+    weights = np.exp(logprobs - np.max(logprobs))
+    return weights / np.sum(weights)
+
+
+def _by_option(order: tuple[int, ...], letter_logprobs: np.ndarray) -> np.ndarray:
+    out = np.empty(len(order))
+    out[list(order)] = letter_logprobs
+    return out
+
+
+def combine(decision: Decision, per_ordering: list[np.ndarray]) -> api.Combined:
+    """The orderings' log-mean: each ordering's probabilities (renormalised over the letters) are averaged
+    in log space per option, then renormalised. Summed in a canonical order (by the options' ids in letter
+    order), so the bits do not depend on the order the orderings, or the options, were listed in."""
+    ids = decision.option_ids
+    logs = [np.log(_distribution(lp)) for lp in per_ordering]
+    canonical = sorted(range(len(logs)), key=lambda k: [ids[i] for i in decision.orderings[k].order])
+    total = np.zeros(len(ids))
+    for k in canonical:
+        total = total + logs[k]
+    p = _distribution(total / len(logs))
+    top = int(np.argmax(p))
+    each = np.array([_distribution(lp) for lp in per_ordering])  # [orderings, options]
+    return api.Combined(
+        method="log-mean",
+        orderings=len(logs),
+        probabilities=p.tolist(),
+        top=ids[top],
+        agreement=float(np.mean(np.argmax(each, axis=1) == top)),
+        spread=float(np.max(np.max(each, axis=0) - np.min(each, axis=0))),
+    )
+
+
+@dataclass
+class DecisionPlan:
+    trunk: tuple[int, ...]
+    decisions: list[Decision]
+    trees: list[Tree]  # the decisions' orderings, in order, as branches
+    model: str | None
+    shared: bool  # a /decide/shared request
+
+
+class Decider:
+    """Decisions over an Engine, through the same trees and passes as scoring."""
+
+    def __init__(
+        self, engine: "Engine", limits: Limits | None = None, calibration: Calibration | None = None
+    ):
+        self.engine = engine
+        self.limits = limits or Limits()
+        self.calibration = calibration
+        self._format: Format | None = None
+        model = engine.model
+        self.model_info = api.DecisionModel(
+            name=model.name, digest=model.digest, precision=model.precision.value,
+            versions=api.Versions(spinf_jax=version("spinf-jax"), jax=jax.__version__,
+                                  backend=jax.default_backend()),
+        )  # fmt: skip
+
+    @property
+    def format(self) -> Format:
+        if self._format is None:
+            if self.engine.model.tokenizer is None:
+                raise ScoringError("decisions_unsupported", "decisions need a model with a tokenizer")
+            self._format = Format(self.engine.model.tokenizer)
+        return self._format
+
+    def plan(self, body: api.DecideRequest | api.SharedDecideRequest) -> DecisionPlan:
+        shared = isinstance(body, api.SharedDecideRequest)
+        questions, params = [body], [""]
+        if shared:  # the request's workload is each decision's unless it names its own
+            questions = [
+                d if d.workload is not None or body.workload is None else replace(d, workload=body.workload)
+                for d in body.decisions
+            ]
+            params = [f"decisions[{i}]" for i in range(len(questions))]
+            seen = set()
+            for question, param in zip(questions, params, strict=True):
+                if question.id in seen:
+                    raise ScoringError(
+                        "invalid_request", f"decision id {question.id!r} is used twice", param + ".id"
+                    )
+                seen.add(question.id)
+        trunk, decisions = compile_decisions(
+            body.state, questions, params, self.format, self.limits, self.calibration
+        )
+        asked = sum(len(d.orderings) for d in decisions)
+        if asked > self.limits.max_questions_per_content:
+            raise ScoringError(
+                "too_many_questions",
+                f"{asked} prompts (decisions x orderings); at most {self.limits.max_questions_per_content}",
+                "decisions",
+            )
+        letters = tuple((i,) for i in self.format.letter_ids)
+        keys = [
+            QuestionKey(o.branch_ids, letters[: len(d.option_ids)]) for d in decisions for o in d.orderings
+        ]
+        try:
+            chunks = content_trees(self.format.tokenizer.prefix(), list(trunk), keys, self.engine.buckets)
+        except ValueError as e:
+            raise ScoringError("question_too_large", str(e), "state") from e
+        return DecisionPlan(trunk, decisions, [tree for tree, _ in chunks], body.model, shared)
+
+    def finish(self, plan: DecisionPlan, scored: list["Scored"]):
+        """The reply of a plan whose trees were scored: an api.DecisionResult, or api.SharedDecisions."""
+        logprobs = []
+        for result in scored:
+            logprobs += [result.option_logprobs(i) for i in range(len(result.tree.options))]
+        results, k = [], 0
+        for decision in plan.decisions:
+            mine = logprobs[k : k + len(decision.orderings)]
+            k += len(decision.orderings)
+            results.append(self._result(decision, mine))
+        tokens = sum(len(t) for t in plan.trees)
+        if not plan.shared:
+            return results[0]
+        return api.SharedDecisions(
+            id=f"decisions-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_info,
+            system_fingerprint=self.engine.fingerprint,
+            state_tokens=len(self.format.tokenizer.prefix()) + len(plan.trunk),
+            processed_tokens=tokens,
+            results=results,
+        )
+
+    def _result(self, decision: Decision, letter_logprobs: list[np.ndarray]) -> api.DecisionResult:
+        per_ordering = [
+            _by_option(o.order, lp) for o, lp in zip(decision.orderings, letter_logprobs, strict=True)
+        ]
+        listed, first = per_ordering[0], decision.orderings[0]
+        result = api.DecisionResult(
+            id=decision.id,
+            option_ids=list(decision.option_ids),
+            probabilities=_distribution(listed).tolist(),
+            option_logits=listed.tolist(),
+            prompt_sha256=first.prompt_sha256,
+            prompt_version=self.format.version,
+            model=self.model_info,
+            input_tokens=first.input_tokens,
+            system_fingerprint=self.engine.fingerprint,
+        )
+        source = listed
+        if decision.averaged:
+            result.orderings = [
+                api.OrderingResult(
+                    order=[decision.option_ids[i] for i in o.order],
+                    probabilities=_distribution(lp).tolist(),
+                    option_logits=lp.tolist(),
+                    prompt_sha256=o.prompt_sha256,
+                )
+                for o, lp in zip(decision.orderings, per_ordering, strict=True)
+            ]
+            result.combined = combine(decision, per_ordering)
+            source = np.log(np.array(result.combined.probabilities))
+        if decision.workload is not None:
+            temperature = self.calibration.workloads[decision.workload].temperature
+            p = apply_temperature(source, temperature)
+            result.calibrated = api.Calibrated(
+                workload=decision.workload,
+                temperature=temperature,
+                probabilities=p.tolist(),
+                top=decision.option_ids[int(np.argmax(p))],
+            )
+        return result
+
+    def decide(self, body: dict) -> dict:
+        """One decision ({id, state, question, options, ...}) or a shared request ({state, decisions}) as
+        Python objects → its reply as Python objects: the library's entry point."""
+        kind = api.SharedDecideRequest if "decisions" in body else api.DecideRequest
+        plan = self.plan(convert(body, kind))
+        return msgspec.to_builtins(self.finish(plan, self.engine.score_trees(plan.trees)))

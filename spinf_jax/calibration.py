@@ -241,3 +241,16 @@ def report(
         raw,
         calibrated,
     )
+
+
+def table(name: str, summary: dict) -> str:
+    """The report of one workload, as a few lines of text."""
+    lines = [f"workload {name}: T = {summary['temperature']:.4g} over {summary['rows']} rows"]
+    lines.append(f"  {'metric':<18}{'raw':>24}{'after T (out of fold)':>28}")
+    for metric in ("accuracy", "balanced_accuracy", "nll", "brier", "ece"):
+        cells = []
+        for key in ("before", "after_out_of_fold"):
+            lo, hi = summary[key + "_ci95"][metric]
+            cells.append(f"{summary[key][metric]:.3f} [{lo:.3f}, {hi:.3f}]")
+        lines.append(f"  {metric:<18}{cells[0]:>24}{cells[1]:>28}")
+    return "\n".join(lines)

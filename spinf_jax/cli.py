@@ -152,6 +152,78 @@ def _calibrate(args, item) -> int:
     return 0
 
 
+def _calibration(args) -> int:
+    """`spinf-jax calibrate ROWS --out FILE`: one temperature per workload, with its report and plots."""
+    import datetime
+    import json
+
+    from tqdm import tqdm
+
+    from spinf_jax import calibration
+    from spinf_jax.decisions import Decider
+    from spinf_jax.engine import Engine
+    from spinf_jax.labelled import RowError, read_rows, score_rows
+    from spinf_jax.scoring import Scorer
+
+    try:
+        rows = read_rows(args.rows, args.workload, args.orderings)
+    except (OSError, RowError) as e:
+        print(f"spinf-jax calibrate: {e}", file=sys.stderr)
+        return 2
+    engine = Engine.load(args.model, args.precision)
+    decider, scorer = Decider(engine), Scorer(engine)
+    try:
+        with tqdm(total=len(rows), desc="scoring", unit="row") as bar:
+            logprobs = list(score_rows(decider, scorer, rows, bar))
+    except RowError as e:
+        print(f"spinf-jax calibrate: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    workloads = {}
+    for name in dict.fromkeys(row.workload for row in rows):
+        mine = [(lp, row) for lp, row in zip(logprobs, rows, strict=True) if row.workload == name]
+        groups = [row.group for _, row in mine]
+        groups = (
+            None
+            if all(g is None for g in groups)
+            else [g or f"row-{r.line}" for g, (_, r) in zip(groups, mine, strict=True)]
+        )
+        labelled = [(lp, row.label) for lp, row in mine]
+        try:
+            summary, raw, fitted = calibration.report(labelled, groups, args.bootstrap)
+        except calibration.CalibrationError as e:
+            print(f"spinf-jax calibrate: workload {name!r}: {e}", file=sys.stderr)
+            return 2
+        kinds = {row.kind for _, row in mine}
+        summary |= {
+            "kind": "/".join(sorted(kinds)),
+            "orderings": args.orderings if "decision" in kinds else None,
+        }
+        plot = out.with_name(f"{out.stem}.{name}.png")
+        labels = [y for _, y in labelled]
+        calibration.reliability_plot(
+            {"raw": (raw, labels), f"T = {summary['temperature']:.3g}, out of fold": (fitted, labels)},
+            plot,
+            f"{name}: {len(labels)} rows, {engine.model.name}",
+        )
+        summary["plot"] = plot.name
+        workloads[name] = summary
+        print(calibration.table(name, summary))
+    document = {
+        "version": 1,
+        "model": engine.model.name,
+        "precision": engine.model.precision.value,
+        "system_fingerprint": engine.fingerprint,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "rows": str(args.rows),
+        "workloads": workloads,
+    }
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def _pack_sources(parser) -> None:
     """The flags that say which packs load: `serve`'s and the `packs` commands'."""
     parser.add_argument(
@@ -231,6 +303,24 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=_serve)
 
     from spinf_jax.loader import DEFAULT_MODEL
+
+    p = sub.add_parser(
+        "calibrate",
+        help="fit one temperature per workload on labelled rows (docs/calibration.md)",
+        description="Scores labelled decisions or questions, fits a temperature per workload by NLL, reports "
+        "accuracy, balanced accuracy, NLL, Brier and ECE before and after (out of fold, with bootstrap 95%% "
+        "intervals), draws a reliability plot per workload, and writes the file `serve --calibration` reads.",
+    )
+    p.add_argument(
+        "rows", help="JSON Lines: decisions or questions, each with its label (docs/calibration.md)"
+    )
+    p.add_argument("--out", required=True, help="the calibration file to write (plots go beside it)")
+    p.add_argument("--workload", default="default", help="the workload of rows that name none")
+    p.add_argument("--orderings", choices=["rotations", "all"], help="score decisions over these orderings")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp8", "int8"])
+    p.add_argument("--bootstrap", type=int, default=1000, help="draws for the 95%% intervals")
+    p.set_defaults(run=_calibration)
 
     p = sub.add_parser(
         "packs", help="prompt packs: list, show, validate, schema, calibrate (docs/prompt-packs.md)"

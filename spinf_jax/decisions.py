@@ -237,28 +237,46 @@ def _distribution(logprobs: np.ndarray) -> np.ndarray:
     return weights / np.sum(weights)
 
 
-def _by_option(order: tuple[int, ...], letter_logprobs: np.ndarray) -> np.ndarray:
-    out = np.empty(len(order))
-    out[list(order)] = letter_logprobs
+@dataclass(frozen=True)
+class Read:
+    """One ordering's answer, in letter order: the letters' log-probabilities and their distribution.
+    Kept in letter order because a sum's rounding depends on its order: the same prompt then gives the same
+    bits whichever way the request listed the options."""
+
+    order: tuple[int, ...]
+    logprobs: np.ndarray
+    p: np.ndarray
+
+    def by_option(self, values: np.ndarray) -> np.ndarray:
+        out = np.empty(len(self.order))
+        out[list(self.order)] = values
+        return out
+
+
+def _by_id(normalise, values: np.ndarray, ids: tuple[str, ...]) -> np.ndarray:
+    """normalise(values), computed over the options sorted by id: the same bits however they are listed."""
+    canonical = np.argsort(np.array(ids, dtype=object))
+    out = np.empty(len(ids))
+    out[canonical] = normalise(values[canonical])
     return out
 
 
-def combine(decision: Decision, per_ordering: list[np.ndarray]) -> api.Combined:
-    """The orderings' log-mean: each ordering's probabilities (renormalised over the letters) are averaged
-    in log space per option, then renormalised. Summed in a canonical order (by the options' ids in letter
-    order), so the bits do not depend on the order the orderings, or the options, were listed in."""
+def combine(decision: Decision, reads: list[Read]) -> api.Combined:
+    """The orderings' log-mean: each ordering's probabilities (renormalised over its letters) are averaged
+    in log space per option, then renormalised. Every sum runs in a canonical order (orderings and options
+    by the options' ids), so the bits do not depend on the order the orderings, or the options, are listed
+    in."""
     ids = decision.option_ids
-    logs = [np.log(_distribution(lp)) for lp in per_ordering]
-    canonical = sorted(range(len(logs)), key=lambda k: [ids[i] for i in decision.orderings[k].order])
+    canonical = sorted(range(len(reads)), key=lambda k: [ids[i] for i in reads[k].order])
     total = np.zeros(len(ids))
     for k in canonical:
-        total = total + logs[k]
-    p = _distribution(total / len(logs))
+        total = total + reads[k].by_option(np.log(reads[k].p))
+    p = _by_id(_distribution, total / len(reads), ids)
     top = int(np.argmax(p))
-    each = np.array([_distribution(lp) for lp in per_ordering])  # [orderings, options]
+    each = np.array([r.by_option(r.p) for r in reads])  # [orderings, options]
     return api.Combined(
         method="log-mean",
-        orderings=len(logs),
+        orderings=len(reads),
         probabilities=p.tolist(),
         top=ids[top],
         agreement=float(np.mean(np.argmax(each, axis=1) == top)),
@@ -360,37 +378,38 @@ class Decider:
         )
 
     def _result(self, decision: Decision, letter_logprobs: list[np.ndarray]) -> api.DecisionResult:
-        per_ordering = [
-            _by_option(o.order, lp) for o, lp in zip(decision.orderings, letter_logprobs, strict=True)
+        reads = [
+            Read(o.order, lp, _distribution(lp))
+            for o, lp in zip(decision.orderings, letter_logprobs, strict=True)
         ]
-        listed, first = per_ordering[0], decision.orderings[0]
+        listed, first = reads[0], decision.orderings[0]
         result = api.DecisionResult(
             id=decision.id,
             option_ids=list(decision.option_ids),
-            probabilities=_distribution(listed).tolist(),
-            option_logits=listed.tolist(),
+            probabilities=listed.p.tolist(),  # the listed order is letter order
+            option_logits=listed.logprobs.tolist(),
             prompt_sha256=first.prompt_sha256,
             prompt_version=self.format.version,
             model=self.model_info,
             input_tokens=first.input_tokens,
             system_fingerprint=self.engine.fingerprint,
         )
-        source = listed
+        chosen = listed.p
         if decision.averaged:
             result.orderings = [
                 api.OrderingResult(
                     order=[decision.option_ids[i] for i in o.order],
-                    probabilities=_distribution(lp).tolist(),
-                    option_logits=lp.tolist(),
+                    probabilities=r.by_option(r.p).tolist(),
+                    option_logits=r.by_option(r.logprobs).tolist(),
                     prompt_sha256=o.prompt_sha256,
                 )
-                for o, lp in zip(decision.orderings, per_ordering, strict=True)
+                for o, r in zip(decision.orderings, reads, strict=True)
             ]
-            result.combined = combine(decision, per_ordering)
-            source = np.log(np.array(result.combined.probabilities))
+            result.combined = combine(decision, reads)
+            chosen = np.array(result.combined.probabilities)
         if decision.workload is not None:
             temperature = self.calibration.workloads[decision.workload].temperature
-            p = apply_temperature(source, temperature)
+            p = _by_id(lambda x: apply_temperature(x, temperature), np.log(chosen), decision.option_ids)
             result.calibrated = api.Calibrated(
                 workload=decision.workload,
                 temperature=temperature,

@@ -14,3 +14,12 @@ def gemma_engine():
     from spinf_jax.packer import Buckets
 
     return Engine.load("spinf/gemma-3-270m", "fp32", buckets=Buckets((256, 512, 1024), block=64))
+
+
+@pytest.fixture(scope="session")
+def smollm_engine():
+    """SmolLM2-135M-Instruct in fp32: the chat-templated model that decisions are read from."""
+    from spinf_jax.engine import Engine
+    from spinf_jax.packer import Buckets
+
+    return Engine.load("spinf/smollm2-135m-instruct", "fp32", buckets=Buckets((256, 512, 1024), block=64))

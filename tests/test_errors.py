@@ -11,6 +11,7 @@ from litestar.testing import TestClient
 from spinf_jax import compiler
 from spinf_jax.answers import vocabulary
 from spinf_jax.compiler import Limits
+from spinf_jax.decisions import Decider, Format
 from spinf_jax.errors import CODES, ScoringError
 from spinf_jax.scoring import Scorer
 from spinf_jax.server import app as app_module
@@ -116,6 +117,28 @@ REQUESTS = {
 }
 
 
+URGENT = {
+    "id": "u",
+    "question": "Urgent?",
+    "options": [{"id": "y", "description": "Yes"}, {"id": "n", "description": "No"}],
+}
+DECISIONS = {
+    "option_count": {"state": "x", **URGENT, "options": URGENT["options"][:1]},
+    "duplicate_option_id": {"state": "x", **URGENT, "options": URGENT["options"] * 2},
+    "empty_state": {"state": "", **URGENT},
+    "too_many_orderings": {"state": "x", **URGENT, "orderings": "all",
+                           "options": [{"id": str(j), "description": str(j)} for j in range(5)]},
+    "unknown_workload": {"state": "x", **URGENT, "workload": "w"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("code", list(DECISIONS))
+def test_decision_codes_are_reachable(gemma_engine, code):
+    with pytest.raises(ScoringError) as e:
+        Decider(gemma_engine).decide(DECISIONS[code])
+    assert e.value.code == code, e.value.message
+
+
 @pytest.mark.parametrize("code", list(REQUESTS))
 def test_request_codes_are_reachable(gemma_engine, code):
     body, limits = REQUESTS[code]
@@ -190,6 +213,14 @@ def test_server_codes_are_reachable(client, monkeypatch):
         Scorer(server.engine).plan(_body({"id": "n", "template": "A:{n}"}))
     reached.add(e.value.code)
 
-    unreached = set(CODES) - set(REQUESTS) - reached
+    # A chat template that rewrites the user's message: the state cannot be found in the prompt.
+    monkeypatch.setattr(
+        server.engine.model.tokenizer, "chat_template", "{{ messages[1]['content'] | upper }}"
+    )
+    with pytest.raises(ScoringError) as e:
+        Format(server.engine.model.tokenizer)
+    reached.add(e.value.code)
+
+    unreached = set(CODES) - set(REQUESTS) - set(DECISIONS) - reached
     assert not unreached
     assert reached <= set(CODES)

@@ -14,8 +14,8 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spinf_jax.engine import Engine
-from spinf_jax.packer import Buckets
+from spinf_jax.calibration import Calibration, Workload
+from spinf_jax.decisions import Decider
 from spinf_jax.server.app import Settings, create_app
 from tests.spec_example import QUERY_POOL, scores_by_question, without_extraction
 
@@ -28,8 +28,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return Engine.load(MODEL, "fp32", buckets=Buckets((256, 512, 1024), block=64))
+def engine(smollm_engine):
+    return smollm_engine
 
 
 def _serve(app):
@@ -53,7 +53,9 @@ def _serve(app):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    server, thread, url = _serve(create_app(Settings(MODEL, served_names=("spinf/gemma-4-12b-fp8",)), engine))
+    calibration = Calibration({"support": Workload(2.0)})
+    settings = Settings(MODEL, served_names=("spinf/gemma-4-12b-fp8",), calibration=calibration)
+    server, thread, url = _serve(create_app(settings, engine))
     yield url
     server.should_exit = True
     thread.join(timeout=10)
@@ -252,7 +254,78 @@ def test_api_key_and_queue_limit(strict_url):
 
 def test_openapi_schema(url):
     schema = httpx.get(f"{url}/schema/openapi.json").json()
-    assert {"/v1/score", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
+    paths = {
+        "/v1/score",
+        "/v1/chat/completions",
+        "/decide",
+        "/decide/shared",
+        "/v1/models",
+        "/health",
+        "/metrics",
+    }
+    assert paths <= set(schema["paths"])
+    decision = schema["components"]["schemas"]["DecisionResult"]["properties"]
+    assert {"option_ids", "probabilities", "option_logits", "prompt_sha256", "combined", "calibrated"} <= set(
+        decision
+    )
+
+
+DECISION = {
+    "id": "d",
+    "state": {"ticket": 7, "body": "My card was charged twice for one order."},
+    "question": "Which team should handle this?",
+    "options": [
+        {"id": "billing", "description": "Billing"},
+        {"id": "shipping", "description": "Shipping"},
+        {"id": "tech", "description": "Technical support"},
+    ],
+    "orderings": "rotations",
+    "workload": "support",
+}
+
+
+def test_decisions_over_http(url, engine):
+    """/decide answers what the library answers; /decide/shared the same bits per decision; the workloads
+    loaded are listed in /health."""
+    r = httpx.post(f"{url}/decide", json=DECISION, timeout=120)
+    assert r.status_code == 200, r.text
+    alone = r.json()
+    library = Decider(engine, calibration=Calibration({"support": Workload(2.0)})).decide(DECISION)
+    for field in ("probabilities", "option_logits", "prompt_sha256", "orderings", "combined", "calibrated"):
+        assert alone[field] == library[field], field
+    assert alone["model"]["name"] == MODEL and alone["system_fingerprint"].startswith("fp_")
+    other = {"id": "e", "question": "Is the customer angry?", "options": [{"id": "y", "description": "Yes"},
+             {"id": "n", "description": "No"}]}  # fmt: skip
+    decisions = [other, {k: v for k, v in DECISION.items() if k != "state"}]
+    r = httpx.post(
+        f"{url}/decide/shared", json={"state": DECISION["state"], "decisions": decisions}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    shared = r.json()
+    assert shared["object"] == "decision.list" and [d["id"] for d in shared["results"]] == ["e", "d"]
+    assert shared["results"][1] == alone
+    assert httpx.get(f"{url}/health").json()["workloads"] == {"support": 2.0}
+
+
+def test_decision_errors_in_the_envelope(url):
+    cases = [
+        ({**DECISION, "options": DECISION["options"][:1]}, "option_count", "options"),
+        ({**DECISION, "workload": "elsewhere"}, "unknown_workload", "workload"),
+        ({**DECISION, "state": ""}, "empty_state", "state"),
+        (
+            {**DECISION, "orderings": "all", "options": DECISION["options"] * 2},
+            "duplicate_option_id",
+            "options[3].id",
+        ),
+        ({**DECISION, "state": None}, "invalid_request", "state"),
+    ]
+    for body, code, param in cases:
+        _error(httpx.post(f"{url}/decide", json=body, timeout=60), 400, code, param)
+    shared = {"state": "x", "decisions": [{**DECISION, "id": "a"}, {**DECISION, "id": "b", "orderings": "all",
+              "options": [{"id": str(j), "description": str(j)} for j in range(5)]}]}  # fmt: skip
+    _error(httpx.post(f"{url}/decide/shared", json=shared, timeout=60), 400, "too_many_orderings",
+           "decisions[1].orderings")  # fmt: skip
+    assert httpx.post(f"{url}/decide", json=DECISION, timeout=60).status_code == 200
 
 
 json_values = st.recursive(
@@ -260,12 +333,14 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=20,
 )
-keys = st.sampled_from(["messages", "inputs", "scoring", "model", "packs", "queries", "empty_floor", "x"])
+keys = st.sampled_from(
+    ["messages", "inputs", "scoring", "model", "packs", "queries", "empty_floor", "state", "decisions", "x"]
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    path=st.sampled_from(["/v1/score", "/v1/chat/completions"]),
+    path=st.sampled_from(["/v1/score", "/v1/chat/completions", "/decide", "/decide/shared"]),
     body=st.one_of(json_values, st.dictionaries(keys, json_values, max_size=4), st.binary(max_size=50)),
 )
 def test_malformed_bodies_get_a_4xx_envelope_and_the_server_lives(url, path, body):

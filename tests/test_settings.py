@@ -153,3 +153,30 @@ def test_the_command_exits_2():
         env={"JAX_PLATFORMS": "cpu", "PATH": ""},
     )
     assert (done.returncode, done.stderr) == (2, "spinf-jax serve: --max-queue: must be at least 1, not 0\n")
+
+
+def test_a_calibration_file_is_checked_before_anything_loads(serve, tmp_path):
+    good = tmp_path / "calibration.json"
+    good.write_text(
+        '{"version": 1, "workloads": {"triage": {"temperature": 1.7}, "spam": {"temperature": 0.4}}}'
+    )
+    status, _, _, settings = serve("--calibration", str(good))
+    assert status == 0
+    assert {n: w.temperature for n, w in settings.calibration.workloads.items()} == {
+        "triage": 1.7,
+        "spam": 0.4,
+    }
+    bad = {
+        "missing.json": None,
+        "not-json.json": "{workloads",
+        "empty.json": '{"workloads": {}}',
+        "nan.json": '{"workloads": {"triage": {"temperature": NaN}}}',
+        "low.json": '{"workloads": {"triage": {"temperature": 0.01}}}',
+        "text.json": '{"workloads": {"triage": {"temperature": "1.0"}}}',
+    }
+    for name, text in bad.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        status, _, err, created = serve("--check", "--calibration", str(tmp_path / name))
+        assert (status, len(err)) == (2, 1) and created is settings, name  # no server was created since
+        assert err[0].startswith(f"spinf-jax serve: --calibration: {tmp_path / name}"), err

@@ -1,0 +1,122 @@
+"""Temperature scaling: the fit, the metrics, the folds, the file, and `spinf-jax calibrate` end to end."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from spinf_jax import calibration as cal
+from spinf_jax import cli
+from spinf_jax.calibration import CalibrationError
+
+
+def _synthetic(temperature: float, n: int = 4000, options: int = 3, seed: int = 1):
+    """Rows whose labels are drawn from softmax(z / temperature): the right T to fit is `temperature`."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        z = rng.normal(0, 2, options)
+        rows.append((z, int(rng.choice(options, p=cal.apply_temperature(z, temperature)))))
+    return rows
+
+
+@pytest.mark.parametrize("truth", [0.5, 1.0, 3.0])
+def test_the_fit_recovers_the_temperature_that_made_the_labels(truth):
+    assert cal.fit_temperature(_synthetic(truth)) == pytest.approx(truth, rel=0.12)
+
+
+def test_the_fit_stays_in_bounds_and_minimises_nll():
+    rows = _synthetic(1.8, n=500)
+    t = cal.fit_temperature(rows)
+    assert cal.nll(rows, t) <= min(cal.nll(rows, t * f) for f in (0.9, 1.1))
+    separable = [(np.array([1.0, 0.0]), 0)] * 20  # always right: sharper is always better, down to MIN_T
+    assert cal.fit_temperature(separable) == pytest.approx(cal.MIN_T, rel=1e-3)
+
+
+def test_a_temperature_never_changes_the_answer():
+    z = np.array([0.3, -1.2, 2.2, 0.0])
+    for t in (0.05, 0.7, 20.0):
+        p = cal.apply_temperature(z, t)
+        assert int(np.argmax(p)) == 2 and math.isclose(float(np.sum(p)), 1.0)
+
+
+def test_metrics_on_a_hand_checked_example():
+    p = [np.array([0.9, 0.1]), np.array([0.6, 0.4]), np.array([0.2, 0.8]), np.array([0.7, 0.3])]
+    labels = [0, 1, 1, 0]
+    m = cal.metrics(p, labels)
+    assert m["accuracy"] == 0.75
+    assert m["balanced_accuracy"] == pytest.approx((1.0 + 0.5) / 2)
+    assert m["nll"] == pytest.approx(-(math.log(0.9) + math.log(0.4) + math.log(0.8) + math.log(0.7)) / 4)
+    assert m["brier"] == pytest.approx((0.02 + 0.72 + 0.08 + 0.18) / 4)
+    # bins: 0.9 → [0.9, 1.0) right; 0.6 → [0.6, 0.7) wrong; 0.8 → [0.8, 0.9) right; 0.7 → [0.7, 0.8) right
+    assert m["ece"] == pytest.approx((0.1 + 0.6 + 0.2 + 0.3) / 4)
+
+
+def test_folds_keep_groups_together_and_out_of_fold_uses_other_rows():
+    groups = [f"doc{i // 7}" for i in range(100)]
+    folds = cal.folds(100, groups)
+    for g in set(groups):
+        assert len({f for f, h in zip(folds, groups, strict=True) if h == g}) == 1
+    assert set(folds) == set(range(cal.FOLDS))
+    rows = _synthetic(2.0, n=100)
+    calibrated, temperatures = cal.out_of_fold(rows, groups)
+    assert len(temperatures) == cal.FOLDS and all(p is not None for p in calibrated)
+    with pytest.raises(CalibrationError):
+        cal.out_of_fold(rows, ["one"] * 100)
+
+
+def test_the_report_gains_on_miscalibrated_rows():
+    """Overconfident scores (labels drawn at T = 3 from z): after T, NLL and ECE drop out of fold, accuracy
+    stays, and the intervals hold the point estimates."""
+    summary, raw, fitted = cal.report(_synthetic(3.0, n=600), None, draws=200)
+    assert summary["temperature"] == pytest.approx(3.0, rel=0.3)
+    before, after = summary["before"], summary["after_out_of_fold"]
+    assert after["nll"] < before["nll"] and after["ece"] < before["ece"]
+    assert after["accuracy"] == before["accuracy"]
+    for key in ("before", "after_out_of_fold"):
+        for metric, (lo, hi) in summary[key + "_ci95"].items():
+            assert lo <= summary[key][metric] <= hi, (key, metric)
+
+
+def test_calibrate_writes_a_file_the_server_accepts(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    texts = {"positive": ["I loved it.", "Wonderful, thank you!", "Great service."],
+             "negative": ["I hated it.", "Terrible, never again.", "Awful service."]}  # fmt: skip
+    with rows.open("w") as f:
+        for label, items in texts.items():
+            for i, text in enumerate(items):
+                f.write(json.dumps({
+                    "id": f"{label}{i}", "state": text, "question": "What is the sentiment?",
+                    "options": [{"id": "positive", "description": "Positive"},
+                                {"id": "negative", "description": "Negative"}],
+                    "label": label, "group": f"g{i}",
+                }) + "\n")  # fmt: skip
+        f.write(json.dumps({"content": "Fine.", "template": "\n\nSentiment:{?}", "options": [" good", " bad"],
+                            "label": " good", "workload": "questions"}) + "\n")  # fmt: skip
+        f.write(json.dumps({"content": "Bad.", "template": "\n\nSentiment:{?}", "options": [" good", " bad"],
+                            "label": " bad", "workload": "questions"}) + "\n")  # fmt: skip
+    out = tmp_path / "out" / "calibration.json"
+    status = cli.main([
+        "calibrate", str(rows), "--out", str(out), "--model", "spinf/smollm2-135m-instruct", "--precision",
+        "fp32", "--orderings", "rotations", "--workload", "reviews", "--bootstrap", "50",
+    ])  # fmt: skip
+    assert status == 0, capsys.readouterr().err
+    document = json.loads(out.read_text())
+    assert set(document["workloads"]) == {"reviews", "questions"}
+    reviews = document["workloads"]["reviews"]
+    assert reviews["rows"] == 6 and reviews["groups"] == 3 and reviews["orderings"] == "rotations"
+    assert document["workloads"]["questions"]["kind"] == "score"
+    assert (tmp_path / "out" / "calibration.reviews.png").read_bytes()[:4] == b"\x89PNG"
+    loaded = cal.load_calibration(out)
+    assert loaded.workloads["reviews"].temperature == reviews["temperature"]
+    assert "workload reviews: T = " in capsys.readouterr().out
+
+
+def test_calibrate_names_the_bad_row(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        '{"state": "x", "question": "q", "options": [{"id": "a", "description": "A"}], "label": "b"}\n'
+    )
+    assert cli.main(["calibrate", str(rows), "--out", str(tmp_path / "c.json")]) == 2
+    assert f"{rows}:1: label 'b' is not one of the option ids ['a']" in capsys.readouterr().err

@@ -23,7 +23,6 @@ import shlex
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +36,7 @@ from urllib.parse import urlsplit
 
 import httpx
 from common import seed_job
+from server_process import start_server, stop_server, wait_ready
 
 HEADERS = {"content-type": "application/json"}
 
@@ -48,31 +48,6 @@ class Outcome:
     status: str  # the HTTP status, "transport_error", or "sent" for an abandoned request
     seconds: float
     verdict: str  # same | mismatch | refused (429) | expected_code | wrong_code | failed | sent
-
-
-def start_server(serve_args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "spinf_jax.cli", "serve", "--port", str(port), *serve_args]
-    with log.open("w") as out:  # the child keeps its own copy of the descriptor
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    return process, f"http://127.0.0.1:{port}"
-
-
-def wait_ready(url: str, process: subprocess.Popen | None, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
-        try:
-            response = httpx.get(f"{url}/health", timeout=10)
-            if response.status_code == 200:
-                return response.json()
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
 
 
 def valid_bodies(job: dict, count: int, rng: random.Random) -> list[bytes]:
@@ -292,14 +267,6 @@ def soak(url: str, pid: int | None, args) -> dict:
         "mismatched": sorted({o.what for o in everything if o.verdict == "mismatch"}),
         "failed": [asdict(o) for o in everything if o.verdict == "failed"][:20],
     }
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
 
 
 def main() -> None:

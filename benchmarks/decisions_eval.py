@@ -1,0 +1,184 @@
+"""Typed decisions on public labelled sets, through the server: what option-order averaging and a fitted
+temperature change, with 95% bootstrap intervals. Not run in CI.
+
+For each model and each set (benchmarks/data, made by make_eval_sets.py), it starts `spinf-jax serve` on a
+free port, sends every row to /decide with `orderings: "rotations"` (16 requests in flight), and measures:
+- accuracy and balanced accuracy of the options as listed (`probabilities`) and order-averaged (`combined`),
+  with a paired bootstrap interval of the difference;
+- ECE, NLL and Brier before and after a temperature, out of fold (spinf_jax.calibration.report: 5 folds,
+  group-disjoint where rows carry a group), for both;
+- `combined.agreement` as a confidence signal: accuracy of unanimous rows (every ordering picks the same
+  option) against split rows.
+
+    uv run --extra server --extra models python benchmarks/decisions_eval.py --out FILE
+
+Prints a table per model and set and ends with one JSON line; --out writes the JSON too.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from datetime import date
+from pathlib import Path
+
+import httpx
+import numpy as np
+from server_process import start_server, stop_server, wait_ready
+
+from spinf_jax import calibration
+
+DATA = Path(__file__).resolve().parent / "data"
+MODELS = ["spinf/smollm2-135m-instruct", "spinf/gemma-3-270m"]
+SETS = ["review_sentiment", "boolq"]
+
+
+def read_set(name: str, limit: int | None) -> list[dict]:
+    rows = [json.loads(line) for line in (DATA / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def decide(url: str, rows: list[dict]) -> list[dict]:
+    def one(row: dict) -> dict:
+        body = {k: row[k] for k in ("id", "state", "question", "options")} | {"orderings": "rotations"}
+        response = httpx.post(f"{url}/decide", json=body, timeout=600)
+        response.raise_for_status()
+        return response.json()
+
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(one, rows))
+
+
+def paired_difference(a: np.ndarray, b: np.ndarray, groups: list[str], draws: int = 2000) -> list[float]:
+    """95% bootstrap interval of mean(b) - mean(a) over the same rows, resampling whole groups."""
+    rng = np.random.default_rng(0)
+    members: dict[str, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    units = list(members.values())
+    diffs = []
+    for _ in range(draws):
+        picked = [i for u in rng.integers(0, len(units), len(units)) for i in units[u]]
+        diffs.append(float(np.mean(b[picked]) - np.mean(a[picked])))
+    return [float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5))]
+
+
+def interval(right: np.ndarray, draws: int = 2000) -> list[float] | None:
+    if len(right) == 0:
+        return None
+    rng = np.random.default_rng(0)
+    means = [float(np.mean(right[rng.integers(0, len(right), len(right))])) for _ in range(draws)]
+    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+
+
+def evaluate(rows: list[dict], replies: list[dict]) -> dict:
+    labels = [r["option_ids"].index(row["label"]) for row, r in zip(rows, replies, strict=True)]
+    # Sets whose rows are one-per-source (no group, or a group per row) resample rows.
+    groups = [row.get("group") or row["id"] for row in rows]
+    if len(set(groups)) < 20:  # a handful of big groups (e.g. three review sites) is no basis for folds
+        groups = [row["id"] for row in rows]
+    listed = [np.log(np.asarray(r["probabilities"])) for r in replies]
+    averaged = [np.log(np.asarray(r["combined"]["probabilities"])) for r in replies]
+    out = {}
+    for name, logprobs in (("listed", listed), ("averaged", averaged)):
+        summary, _, _ = calibration.report(list(zip(logprobs, labels, strict=True)), groups, draws=1000)
+        out[name] = summary
+    right_listed = np.array([int(np.argmax(lp)) == y for lp, y in zip(listed, labels, strict=True)], float)
+    right_averaged = np.array(
+        [int(np.argmax(lp)) == y for lp, y in zip(averaged, labels, strict=True)], float
+    )
+    out["averaging_gain"] = {
+        "accuracy": float(np.mean(right_averaged) - np.mean(right_listed)),
+        "ci95": paired_difference(right_listed, right_averaged, groups),
+    }
+    agreement = np.array([r["combined"]["agreement"] for r in replies])
+    unanimous = agreement == 1.0
+    out["agreement"] = {
+        "unanimous_rows": int(np.sum(unanimous)),
+        "unanimous_accuracy": float(np.mean(right_averaged[unanimous])) if unanimous.any() else None,
+        "unanimous_ci95": interval(right_averaged[unanimous]),
+        "split_rows": int(np.sum(~unanimous)),
+        "split_accuracy": float(np.mean(right_averaged[~unanimous])) if (~unanimous).any() else None,
+        "split_ci95": interval(right_averaged[~unanimous]),
+    }
+    out["first_letter_share"] = float(np.mean([np.argmax(r["probabilities"]) == 0 for r in replies]))
+    out["rows"] = len(rows)
+    return out
+
+
+def print_table(model: str, name: str, result: dict) -> None:
+    print(f"\n{model} on {name} ({result['rows']} rows)")
+    print(f"  {'':<30}{'listed order':>26}{'order-averaged':>26}")
+    for metric in ("accuracy", "balanced_accuracy"):
+        cells = [
+            f"{result[k]['before'][metric]:.3f} [{result[k]['before_ci95'][metric][0]:.3f}, "
+            f"{result[k]['before_ci95'][metric][1]:.3f}]"
+            for k in ("listed", "averaged")
+        ]
+        print(f"  {metric:<30}{cells[0]:>26}{cells[1]:>26}")
+    for metric in ("ece", "nll", "brier"):
+        for stage, label in (("before", "raw"), ("after_out_of_fold", "after T, out of fold")):
+            cells = [
+                f"{result[k][stage][metric]:.3f} [{result[k][stage + '_ci95'][metric][0]:.3f}, "
+                f"{result[k][stage + '_ci95'][metric][1]:.3f}]"
+                for k in ("listed", "averaged")
+            ]
+            print(f"  {metric + ' (' + label + ')':<30}{cells[0]:>26}{cells[1]:>26}")
+    t = (result["listed"]["temperature"], result["averaged"]["temperature"])
+    print(f"  temperature: listed {t[0]:.3f}, averaged {t[1]:.3f}")
+    gain, (lo, hi) = result["averaging_gain"]["accuracy"], result["averaging_gain"]["ci95"]
+    print(f"  averaging gain in accuracy: {gain:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    a = result["agreement"]
+    print(
+        f"  unanimous rows {a['unanimous_rows']}: accuracy {a['unanimous_accuracy']}; "
+        f"split rows {a['split_rows']}: accuracy {a['split_accuracy']}"
+    )
+    print(
+        f"  share of rows whose listed-order answer is the first option: {result['first_letter_share']:.3f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--sets", nargs="+", default=SETS)
+    parser.add_argument("--precision", default="fp32", help="serve's --precision")
+    parser.add_argument("--limit", type=int, help="only the first N rows of each set")
+    parser.add_argument("--serve-args", default="", help="more options for `spinf-jax serve`")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    results = {}
+    for model in args.models:
+        log = Path(tempfile.mkstemp(suffix=".log")[1])
+        serve_args = [model, "--precision", args.precision, *shlex.split(args.serve_args)]
+        process, url = start_server(serve_args, log)
+        try:
+            health = wait_ready(url, process, timeout=1800)
+            for name in args.sets:
+                rows = read_set(name, args.limit)
+                result = evaluate(rows, decide(url, rows))
+                result["system_fingerprint"] = health["system_fingerprint"]
+                results[f"{model} {name}"] = result
+                print_table(model, name, result)
+        finally:
+            stop_server(process)
+    document = {
+        "benchmark": "decisions_eval",
+        "date": date.today().isoformat(),
+        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, no accelerator)",
+        "command": "python benchmarks/decisions_eval.py " + shlex.join(sys.argv[1:]),
+        "precision": args.precision,
+        "orderings": "rotations",
+        "results": results,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
+    print(json.dumps(document))
+
+
+if __name__ == "__main__":
+    main()

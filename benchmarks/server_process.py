@@ -1,0 +1,42 @@
+"""`spinf-jax serve` as a child process on a free port, for the benchmarks that measure over HTTP."""
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def start_server(serve_args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "spinf_jax.cli", "serve", "--port", str(port), *serve_args]
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(url: str, process: subprocess.Popen | None, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
+        try:
+            response = httpx.get(f"{url}/health", timeout=10)
+            if response.status_code == 200:
+                return response.json()
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()

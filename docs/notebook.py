@@ -91,6 +91,33 @@ for answer in month["answers"]:
 assert month["answers"][0]["text"] == "September"
 
 # %% [markdown]
+# ## Typed decisions
+#
+# `engine.decide` asks one typed question over a state (text or JSON) with lettered options, and reads the
+# answer from the letters (docs/decisions.md). Small models lean toward the first-listed option: `orderings`
+# asks every rotation of the options as branches of the same read and combines them; `agreement` says how
+# many orderings picked the combined answer.
+
+# %%
+decision = engine.decide(
+    {
+        "id": "team",
+        "state": {"ticket": 4411, "body": message},
+        "question": "Which team should handle this ticket?",
+        "options": [
+            {"id": "billing", "description": "Billing and payments"},
+            {"id": "shipping", "description": "Shipping and delivery"},
+            {"id": "tech", "description": "Technical support"},
+        ],
+        "orderings": "rotations",
+    }
+)
+ids, combined = decision["option_ids"], decision["combined"]
+print("listed order:", {i: round(p, 3) for i, p in zip(ids, decision["probabilities"], strict=True)})
+print("averaged:", {i: round(p, 3) for i, p in zip(ids, combined["probabilities"], strict=True)})
+print("top", combined["top"], "agreement", round(combined["agreement"], 2))
+
+# %% [markdown]
 # ## Look inside a layer
 #
 # The model is a Flax NNX module. Its weights are `nnx.Param`s that name the checkpoint tensor they were read

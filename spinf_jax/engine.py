@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from spinf_jax.answers import Vocabulary, vocabulary
+from spinf_jax.decisions import Decider
 from spinf_jax.extraction import CANDIDATES, Decoded, SlotSearch, path_columns
 from spinf_jax.layout import (
     MAX_ANSWER_TOKENS,
@@ -230,6 +231,7 @@ class Engine:
         self._ends = table[ENDS]
         self._excluded: dict[tuple[int, ...], frozenset[int]] = {}  # closing ids → tokens barred inside
         self._scorer: Scorer | None = None  # score()'s, with the official packs
+        self._decider: Decider | None = None  # decide()'s
 
     @classmethod
     def load(cls, spec: str = DEFAULT_MODEL, precision: str = "bf16", **kwargs) -> "Engine":
@@ -410,6 +412,14 @@ class Engine:
         if self._scorer is None:
             self._scorer = Scorer(self, packs=compile_packs(None, self.model.tokenizer))
         return self._scorer.score(body)
+
+    def decide(self, body: dict) -> dict:
+        """A decision (SPEC section 5: {id, state, question, options, orderings?}) → its result, or a shared
+        request ({state, decisions: [...]}) → every decision's (spinf_jax.decisions; no workloads here:
+        `Decider(engine, calibration=load_calibration(path))` takes a calibration file)."""
+        if self._decider is None:
+            self._decider = Decider(self)
+        return self._decider.decide(body)
 
     def cached_floors(self, keys) -> dict[QuestionKey, np.ndarray]:
         """The floors (option log-probs on empty content) of those questions that are cached."""

@@ -15,6 +15,8 @@ def test_notebook_runs():
     # Every section printed what it shows: scores, floors, a layer's Params, hidden states, token level.
     assert re.search(r"^refund \{' yes': 0\.\d+, ' no': 0\.\d+\}", text, re.M)
     assert re.search(r"billing +p 0\.\d+ +floor 0\.\d+ +lift", text)
+    assert re.search(r"^averaged: \{'billing': 0\.\d+, 'shipping': 0\.\d+, 'tech': 0\.\d+\}", text, re.M)
+    assert re.search(r"^top (billing|shipping|tech) agreement (0|1)\.\d+", text, re.M)
     assert "model.layers.3.self_attn.q_proj.weight" in text
     assert "(19, 1, 640)" in text  # 18 layers + the final output, one row, 640 wide
     assert re.search(r"log P\( yes\), log P\( no\): \[-\d", text)

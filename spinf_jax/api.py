@@ -116,6 +116,13 @@ class Query(Struct, kw_only=True):
             "absent: false"
         ),
     ] = None
+    workload: Annotated[
+        str | None,
+        Meta(
+            description="for a {?} slot: a workload of the server's calibration file; each combination then "
+            "has `calibrated` (its temperature, choice rule and thresholds)"
+        ),
+    ] = None
 
 
 class Scoring(Struct, kw_only=True):
@@ -210,6 +217,25 @@ class Answer(Struct, kw_only=True, omit_defaults=True):
     currency: Annotated[str | None, Meta(description="ISO 4217, for {$} answers where one is written")] = None
 
 
+class ScoreCalibrated(Struct, kw_only=True):
+    workload: str
+    temperature: float
+    probabilities: Annotated[list[float], Meta(description="per option: p at the workload's temperature")]
+    choice: Annotated[
+        str,
+        Meta(
+            description="the option that the rule picks: the most likely, or the most lifted over its floor"
+        ),
+    ]
+    rule: Literal["argmax", "floor_lift"]
+    above_threshold: Annotated[
+        list[str],
+        Meta(
+            description="the options whose calibrated p reaches its threshold (fitted for a target precision)"
+        ),
+    ] = []
+
+
 class CombinationResult(Struct, kw_only=True, omit_defaults=True):
     values: Annotated[dict[str, str], Meta(description="the placeholders' values; {} when there are none")]
     options: Annotated[list[OptionScore] | None, Meta(description="for a {?} slot, in request order")] = None
@@ -224,6 +250,7 @@ class CombinationResult(Struct, kw_only=True, omit_defaults=True):
     floor_answers: Annotated[
         list[Answer] | None, Meta(description="for an extraction slot asked with floor: on empty content")
     ] = None
+    calibrated: Annotated[ScoreCalibrated | None, Meta(description="for a query with a workload")] = None
 
 
 class QueryResult(Struct, kw_only=True):

@@ -12,7 +12,7 @@ in [MIN_T, MAX_T] stops the server from starting.
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +26,18 @@ class CalibrationError(Exception):
     pass
 
 
+RULES = ("argmax", "floor_lift")
+
+
 @dataclass(frozen=True)
 class Workload:
     temperature: float
     orderings: str | None = None  # the orderings its rows were scored with (the file's "orderings")
+    # For /v1/score queries: how the choice is made (the most likely option, or the one most lifted over its
+    # floor: log p - log floor_p), and per option text the calibrated p at which its precision reached the
+    # target on the labelled rows.
+    rule: str = "argmax"
+    thresholds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,26 +58,33 @@ def load_calibration(path: str | Path) -> Calibration:
     workloads = data.get("workloads") if isinstance(data, dict) else None
     if not isinstance(workloads, dict) or not workloads:
         raise CalibrationError(f"{path}: workloads: expected an object of at least one workload")
-    out = {}
-    for name, entry in workloads.items():
-        t = entry.get("temperature") if isinstance(entry, dict) else None
-        if (
-            isinstance(t, bool)
-            or not isinstance(t, int | float)
-            or not math.isfinite(t)
-            or not MIN_T <= t <= MAX_T
-        ):
-            raise CalibrationError(
-                f"{path}: workloads.{name}.temperature: expected a finite number in [{MIN_T}, {MAX_T}], "
-                f"got {t!r}"
-            )
-        orderings = entry.get("orderings")
-        if orderings not in (None, "rotations", "all"):
-            raise CalibrationError(
-                f"{path}: workloads.{name}.orderings: {orderings!r} is not rotations or all"
-            )
-        out[name] = Workload(float(t), orderings)
-    return Calibration(out, str(path))
+    checked = {name: _workload(entry, f"{path}: workloads.{name}") for name, entry in workloads.items()}
+    return Calibration(checked, str(path))
+
+
+def _workload(entry, where: str) -> Workload:
+    entry = entry if isinstance(entry, dict) else {}
+    t = entry.get("temperature")
+    if not _is_number(t) or not MIN_T <= t <= MAX_T:
+        raise CalibrationError(
+            f"{where}.temperature: expected a finite number in [{MIN_T}, {MAX_T}], got {t!r}"
+        )
+    orderings = entry.get("orderings")
+    if orderings not in (None, "rotations", "all"):
+        raise CalibrationError(f"{where}.orderings: {orderings!r} is not rotations or all")
+    rule = entry.get("rule", "argmax")
+    if rule not in RULES:
+        raise CalibrationError(f"{where}.rule: {rule!r} is not one of {', '.join(RULES)}")
+    thresholds = entry.get("thresholds") or {}
+    if not isinstance(thresholds, dict) or not all(
+        _is_number(v) and 0 <= v <= 1 for v in thresholds.values()
+    ):
+        raise CalibrationError(f"{where}.thresholds: expected {{option: a probability}}")
+    return Workload(float(t), orderings, rule, {k: float(v) for k, v in thresholds.items()})
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def apply_temperature(logprobs: np.ndarray, temperature: float) -> np.ndarray:
@@ -241,6 +256,34 @@ def report(
         raw,
         calibrated,
     )
+
+
+def thresholds(
+    probabilities: list[np.ndarray], labels: list[int], options: list[str], target: float
+) -> dict[str, dict]:
+    """Per option: the lowest calibrated p at which "p ≥ threshold" picks rows of that option with precision
+    ≥ target, with its precision and recall; options that never reach the target are left out."""
+    out = {}
+    for j, option in enumerate(options):
+        p = np.array([float(q[j]) for q in probabilities])
+        positive = np.array(labels) == j
+        for t in np.unique(p):  # ascending: the first that reaches the target keeps the most recall
+            picked = p >= t
+            precision = float(np.mean(positive[picked]))
+            if precision >= target:
+                recall = float(np.sum(picked & positive) / max(1, np.sum(positive)))
+                out[option] = {"threshold": float(t), "precision": precision, "recall": recall}
+                break
+    return out
+
+
+def rule_accuracy(rows: list[tuple[np.ndarray, np.ndarray, int]]) -> dict[str, float]:
+    """Accuracy of picking the most likely option, and the option most lifted over its floor (log p - log
+    floor_p), over rows of (log-probabilities, floor log-probabilities, label)."""
+    return {
+        "argmax": float(np.mean([int(np.argmax(lp)) == y for lp, _, y in rows])),
+        "floor_lift": float(np.mean([int(np.argmax(lp - fl)) == y for lp, fl, y in rows])),
+    }
 
 
 def table(name: str, summary: dict) -> str:

@@ -162,7 +162,7 @@ def _calibration(args) -> int:
     from spinf_jax import calibration
     from spinf_jax.decisions import Decider
     from spinf_jax.engine import Engine
-    from spinf_jax.labelled import RowError, read_rows, score_rows
+    from spinf_jax.labelled import RowError, fit_workload, read_rows, score_rows
     from spinf_jax.scoring import Scorer
 
     try:
@@ -174,7 +174,7 @@ def _calibration(args) -> int:
     decider, scorer = Decider(engine), Scorer(engine)
     try:
         with tqdm(total=len(rows), desc="scoring", unit="row") as bar:
-            logprobs = list(score_rows(decider, scorer, rows, bar))
+            scored = list(score_rows(decider, scorer, rows, bar))
     except RowError as e:
         print(f"spinf-jax calibrate: {e}", file=sys.stderr)
         return 2
@@ -182,26 +182,16 @@ def _calibration(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     workloads = {}
     for name in dict.fromkeys(row.workload for row in rows):
-        mine = [(lp, row) for lp, row in zip(logprobs, rows, strict=True) if row.workload == name]
-        groups = [row.group for _, row in mine]
-        groups = (
-            None
-            if all(g is None for g in groups)
-            else [g or f"row-{r.line}" for g, (_, r) in zip(groups, mine, strict=True)]
-        )
-        labelled = [(lp, row.label) for lp, row in mine]
+        mine = [
+            (lp, floor, row) for (lp, floor), row in zip(scored, rows, strict=True) if row.workload == name
+        ]
         try:
-            summary, raw, fitted = calibration.report(labelled, groups, args.bootstrap)
+            summary, raw, fitted = fit_workload(mine, args.orderings, args.target_precision, args.bootstrap)
         except calibration.CalibrationError as e:
             print(f"spinf-jax calibrate: workload {name!r}: {e}", file=sys.stderr)
             return 2
-        kinds = {row.kind for _, row in mine}
-        summary |= {
-            "kind": "/".join(sorted(kinds)),
-            "orderings": args.orderings if "decision" in kinds else None,
-        }
         plot = out.with_name(f"{out.stem}.{name}.png")
-        labels = [y for _, y in labelled]
+        labels = [row.label for *_, row in mine]
         calibration.reliability_plot(
             {"raw": (raw, labels), f"T = {summary['temperature']:.3g}, out of fold": (fitted, labels)},
             plot,
@@ -320,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp8", "int8"])
     p.add_argument("--bootstrap", type=int, default=1000, help="draws for the 95%% intervals")
+    p.add_argument(
+        "--target-precision",
+        type=float,
+        default=0.9,
+        help="questions: the precision each option's threshold must reach",
+    )
     p.set_defaults(run=_calibration)
 
     p = sub.add_parser(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from spinf_jax import api
 from spinf_jax.answers import vocabulary
+from spinf_jax.calibration import Calibration
 from spinf_jax.errors import ScoringError
 from spinf_jax.layout import (
     MAX_ANSWER_TOKENS,
@@ -74,6 +75,7 @@ class Query:
     id: str
     slot: Slot
     questions: tuple[Question, ...]  # one per combination, in order
+    workload: str | None = None  # its calibration (spinf_jax.calibration), for a {?} slot
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,7 @@ class _Spec:
     closing: str = ""  # an extraction slot's closing text
     extract: Extract | None = None  # its settings, closing_ids not filled in yet
     floor: bool = False  # an extraction slot asked on empty content too
+    workload: str | None = None
 
 
 def _parse_queries(queries: list[api.Query], param: str, limits: Limits, taken: set[str]) -> list[_Spec]:
@@ -244,7 +247,20 @@ def _parse_query(query: api.Query, param: str, limits: Limits) -> _Spec:
     extract = _extraction(query, slot, param)
     if extract is not None and not closing and parts and isinstance(parts[-1], str):
         closing = _IMPLIED_CLOSING.get(parts[-1][-1], "")  # A: "{*} ends at the closing quote
-    return _Spec(query.id, slot, param, combinations, fills, options, closing, extract, bool(query.floor))
+    if query.workload is not None and slot is not Slot.SCORE:
+        raise _invalid(param + ".workload", "a workload calibrates the options of a {?} slot")
+    return _Spec(
+        query.id,
+        slot,
+        param,
+        combinations,
+        fills,
+        options,
+        closing,
+        extract,
+        bool(query.floor),
+        query.workload,
+    )
 
 
 # An extraction slot right after an opening quote or bracket, with no closing text of its own, ends at the
@@ -441,6 +457,22 @@ def _check_questions(item: _Input, param: str, limits: Limits, pack_questions: i
         )
 
 
+def _check_workload(spec: _Spec, calibration: Calibration | None, scoring: api.Scoring) -> None:
+    if spec.workload is None:
+        return
+    if calibration is None or spec.workload not in calibration.workloads:
+        known = ", ".join(sorted(calibration.workloads)) if calibration else "none: serve with --calibration"
+        raise ScoringError(
+            "unknown_workload", f"no calibration for workload {spec.workload!r} (loaded: {known})",
+            spec.param + ".workload",
+        )  # fmt: skip
+    if calibration.workloads[spec.workload].rule == "floor_lift" and scoring.empty_floor is False:
+        raise _invalid(
+            "scoring.empty_floor",
+            f"workload {spec.workload!r} chooses by lift over the floor: leave empty_floor on",
+        )
+
+
 def _resolve_packs(refs: list[api.PackRef], loaded: Mapping[str, "CompiledPack"]) -> list[tuple]:
     """The packs a request names → (compiled pack, categories asked, their questions, cells wanted) each."""
     seen = set()
@@ -563,7 +595,7 @@ def _build_query(
         questions.append(
             Question(spec.id, values, template_ids, tuple(spec.options), option_ids, extract, floor)
         )
-    return Query(spec.id, spec.slot, tuple(questions))
+    return Query(spec.id, spec.slot, tuple(questions), spec.workload)
 
 
 def _tokenize(tokenizer, inputs: list[_Input], specs: list[_Spec], extra=()) -> dict[str, tuple[int, ...]]:
@@ -589,9 +621,11 @@ def compile_request(
     tokenizer,
     limits: Limits = Limits(),
     packs: Mapping[str, "CompiledPack"] | None = None,
+    calibration: Calibration | None = None,
 ) -> CompiledRequest:
     """Check a decoded scoring request (spinf_jax.decoding) against SPEC section 1 and tokenise it, with the
-    prompt packs it names among `packs` (spinf_jax.packs.compiled); raises ScoringError."""
+    prompt packs it names among `packs` (spinf_jax.packs.compiled) and the workloads its queries name among
+    `calibration`'s; raises ScoringError."""
     asks = _resolve_packs(request.packs or [], packs or {})
     if request.scoring is None and not asks:
         raise _invalid("scoring", 'a scoring block is required: {"queries": [...]}')
@@ -602,6 +636,8 @@ def compile_request(
 
     # A scoring query that no input asks for is checked for structure but never tokenised.
     used = list({id(spec): spec for item in inputs for spec in item.specs}.values())
+    for spec in used:
+        _check_workload(spec, calibration, scoring)
     wrapped = [p.presentation for p, *_ in asks if not p.presentation.bare]
     extra = [w.prefix + item.text + w.suffix for item in inputs for w in wrapped]
     ids = _tokenize(tokenizer, inputs, used, extra)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spinf_jax import api
+from spinf_jax import api, calibration
 from spinf_jax.decisions import Decider
 from spinf_jax.decoding import convert
 from spinf_jax.scoring import Scorer
@@ -75,8 +75,7 @@ def _row(n: int, line: str, workload: str, orderings: str | None, where: str) ->
             raise RowError(f"{where}: label {raw['label']!r} is not one of the options {options}")
         body = {
             "messages": [{"content": raw.get("content", "")}],
-            "scoring": {"queries": [{"id": "q", "template": raw["template"], "options": options}],
-                        "empty_floor": False},
+            "scoring": {"queries": [{"id": "q", "template": raw["template"], "options": options}]},
         }  # fmt: skip
         return Row(n, body, "score", options.index(raw["label"]), group, workload)
     raise RowError(
@@ -84,9 +83,12 @@ def _row(n: int, line: str, workload: str, orderings: str | None, where: str) ->
     )
 
 
-def score_rows(decider: Decider, scorer: Scorer, rows: list[Row], progress=None) -> Iterator[np.ndarray]:
-    """Each row's log-probabilities over its options, in order: a decision's combined over its orderings
-    when it has them. Rows are planned in batches whose trees share passes."""
+def score_rows(
+    decider: Decider, scorer: Scorer, rows: list[Row], progress=None
+) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """Each row's log-probabilities over its options (a decision's combined over its orderings when it has
+    them), and a question's over its floor (None for a decision), in order. Rows are planned in batches
+    whose trees share passes."""
     engine = decider.engine
     for start in range(0, len(rows), BATCH):
         batch = rows[start : start + BATCH]
@@ -113,9 +115,39 @@ def _decide_body(body: dict) -> api.DecideRequest:
     return convert(body, api.DecideRequest)
 
 
-def _logprobs(result, kind: str) -> np.ndarray:
+def _logprobs(result, kind: str) -> tuple[np.ndarray, np.ndarray | None]:
     if kind == "decision":
         p = result.combined.probabilities if result.combined is not None else result.probabilities
-        return np.log(np.asarray(p))
+        return np.log(np.asarray(p)), None
     options = result.results[0].queries[0].combinations[0].options
-    return np.array([o.logprob for o in options])
+    return np.array([o.logprob for o in options]), np.log([o.floor_p for o in options])
+
+
+def fit_workload(
+    scored: list[tuple[np.ndarray, np.ndarray | None, Row]], orderings: str | None, target: float, draws: int
+) -> tuple[dict, list[np.ndarray], list[np.ndarray]]:
+    """One workload's entry of the calibration file (calibration.report, plus, for questions, the choice rule
+    and per-option thresholds), with the rows' probabilities before and after (out of fold) for the plot."""
+    groups = [row.group for *_, row in scored]
+    if all(g is None for g in groups):
+        groups = None
+    else:  # a row without a group is a group of its own
+        groups = [
+            g if g is not None else f"row-{row.line}" for g, (*_, row) in zip(groups, scored, strict=True)
+        ]
+    labelled = [(lp, row.label) for lp, _, row in scored]
+    summary, raw, fitted = calibration.report(labelled, groups, draws)
+    kinds = {row.kind for *_, row in scored}
+    summary |= {"kind": "/".join(sorted(kinds)), "orderings": orderings if "decision" in kinds else None}
+    if kinds == {"score"}:
+        accuracy = calibration.rule_accuracy([(lp, floor, row.label) for lp, floor, row in scored])
+        summary["rule_accuracy"] = accuracy
+        summary["rule"] = "floor_lift" if accuracy["floor_lift"] > accuracy["argmax"] else "argmax"
+        options = {tuple(row.body["scoring"]["queries"][0]["options"]) for *_, row in scored}
+        if len(options) == 1:  # thresholds are per option text: only where every row lists the same options
+            p = [calibration.apply_temperature(lp, summary["temperature"]) for lp, _ in labelled]
+            report = calibration.thresholds(p, [y for _, y in labelled], list(options.pop()), target)
+            summary["target_precision"] = target
+            summary["threshold_report"] = report
+            summary["thresholds"] = {option: entry["threshold"] for option, entry in report.items()}
+    return summary, raw, fitted

@@ -20,6 +20,7 @@ import numpy as np
 
 from spinf_jax import api
 from spinf_jax.answers import parse_amount, parse_number
+from spinf_jax.calibration import Calibration, Workload, apply_temperature
 from spinf_jax.compiler import CompiledRequest, Limits, PackAsk, Question, compile_request
 from spinf_jax.decoding import convert
 from spinf_jax.errors import ScoringError
@@ -51,11 +52,16 @@ class Plan:
 
 class Scorer:
     def __init__(
-        self, engine: "Engine", limits: Limits | None = None, packs: dict[str, "CompiledPack"] | None = None
+        self,
+        engine: "Engine",
+        limits: Limits | None = None,
+        packs: dict[str, "CompiledPack"] | None = None,
+        calibration: Calibration | None = None,
     ):
         self.engine = engine
         self.limits = limits or Limits()
         self.packs = packs or {}  # the prompt packs requests may name, by id (spinf_jax.packs.compiled)
+        self.calibration = calibration  # the workloads queries may name (spinf_jax.calibration)
 
     def score(self, body: dict) -> dict:
         plan = self.plan(body)
@@ -69,7 +75,7 @@ class Scorer:
             raise ValueError("scoring text needs a model with a tokenizer (score_trees works on token ids)")
         if not isinstance(body, api.ScoreRequest):
             body = convert(body, api.ScoreRequest)
-        request = compile_request(body, tokenizer, self.limits, self.packs)
+        request = compile_request(body, tokenizer, self.limits, self.packs, self.calibration)
         budget = _TokenBudget(self.limits.max_request_tokens)
         prefix = tokenizer.prefix()
         trees, owners, wanted = [], [], {}
@@ -142,6 +148,9 @@ class Scorer:
                         continue
                     combo = _scored_combination(q, answered[i], floor)
                     i += 1
+                    if query.workload is not None:
+                        workload = self.calibration.workloads[query.workload]
+                        combo.calibrated = _calibrated(q, query.workload, workload, answered[i - 1], floor)
                     combinations.append(combo)
                     mass = 1.0 - combo.residual
                     if mass < LOW_OPTION_MASS:
@@ -302,6 +311,25 @@ def _distribution(logprobs: np.ndarray) -> tuple[np.ndarray, float]:
     weights = np.exp(logprobs - top)
     mass = math.exp(top) * float(np.sum(weights))
     return weights / np.sum(weights), max(0.0, 1.0 - mass)
+
+
+def _calibrated(
+    q: Question, name: str, workload: Workload, logprobs: np.ndarray, floor
+) -> api.ScoreCalibrated:
+    """A combination at its workload's temperature, with the option its rule picks and those over their
+    thresholds."""
+    p = apply_temperature(logprobs, workload.temperature)
+    lifted = logprobs - floor if workload.rule == "floor_lift" else p
+    return api.ScoreCalibrated(
+        workload=name,
+        temperature=workload.temperature,
+        probabilities=p.tolist(),
+        choice=q.options[int(np.argmax(lifted))],
+        rule=workload.rule,
+        above_threshold=[
+            o for o, pi in zip(q.options, p, strict=True) if pi >= workload.thresholds.get(o, 2.0)
+        ],
+    )
 
 
 def _scored_combination(q: Question, logprobs: np.ndarray, floor: np.ndarray | None) -> api.CombinationResult:

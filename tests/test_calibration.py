@@ -9,6 +9,8 @@ import pytest
 from spinf_jax import calibration as cal
 from spinf_jax import cli
 from spinf_jax.calibration import CalibrationError
+from spinf_jax.errors import ScoringError
+from spinf_jax.scoring import Scorer
 
 
 def _synthetic(temperature: float, n: int = 4000, options: int = 3, seed: int = 1):
@@ -106,7 +108,10 @@ def test_calibrate_writes_a_file_the_server_accepts(tmp_path, capsys):
     assert set(document["workloads"]) == {"reviews", "questions"}
     reviews = document["workloads"]["reviews"]
     assert reviews["rows"] == 6 and reviews["groups"] == 3 and reviews["orderings"] == "rotations"
-    assert document["workloads"]["questions"]["kind"] == "score"
+    questions = document["workloads"]["questions"]
+    assert questions["kind"] == "score" and questions["rule"] in ("argmax", "floor_lift")
+    assert set(questions["rule_accuracy"]) == {"argmax", "floor_lift"}
+    assert set(questions["thresholds"]) <= {" good", " bad"}
     assert (tmp_path / "out" / "calibration.reviews.png").read_bytes()[:4] == b"\x89PNG"
     loaded = cal.load_calibration(out)
     assert loaded.workloads["reviews"].temperature == reviews["temperature"]
@@ -120,3 +125,96 @@ def test_calibrate_names_the_bad_row(tmp_path, capsys):
     )
     assert cli.main(["calibrate", str(rows), "--out", str(tmp_path / "c.json")]) == 2
     assert f"{rows}:1: label 'b' is not one of the option ids ['a']" in capsys.readouterr().err
+
+
+def test_thresholds_reach_the_target_precision_with_the_most_recall():
+    p = [np.array([x, 1 - x]) for x in (0.95, 0.9, 0.8, 0.7, 0.6, 0.3, 0.2)]
+    labels = [0, 0, 1, 0, 1, 1, 1]
+    report = cal.thresholds(p, labels, ["spam", "ham"], target=0.75)
+    # "spam" at p ≥ 0.7: rows 0-3, three of them spam (0.75), recall 3/3; at 0.6 precision is 0.6
+    assert report["spam"] == {"threshold": 0.7, "precision": 0.75, "recall": 1.0}
+    # "ham" (1 - x): at p ≥ 0.2 five rows, four of them ham (0.8), recall 4/4; at 0.1 precision is 4/6
+    assert report["ham"]["threshold"] == pytest.approx(0.2)
+    assert (report["ham"]["precision"], report["ham"]["recall"]) == (0.8, 1.0)
+    assert "ham" not in cal.thresholds(p, labels, ["spam", "ham"], target=1.01)
+
+
+def test_rule_accuracy_compares_argmax_with_floor_lift():
+    rows = [
+        (np.log([0.7, 0.3]), np.log([0.9, 0.1]), 1),  # the model leans to option 0 whatever it reads
+        (np.log([0.95, 0.05]), np.log([0.9, 0.1]), 0),
+    ]
+    assert cal.rule_accuracy(rows) == {"argmax": 0.5, "floor_lift": 1.0}
+
+
+@pytest.mark.parametrize(
+    "entry, field",
+    [
+        ({"temperature": 1.0, "rule": "vote"}, "rule"),
+        ({"temperature": 1.0, "thresholds": {" yes": 1.5}}, "thresholds"),
+        ({"temperature": 1.0, "orderings": "some"}, "orderings"),
+        ({"temperature": True}, "temperature"),
+    ],
+)
+def test_a_bad_workload_field_is_named(tmp_path, entry, field):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"workloads": {"w": entry}}))
+    with pytest.raises(CalibrationError, match=rf"workloads\.w\.{field}:"):
+        cal.load_calibration(path)
+
+
+SPAM = {"id": "spam", "template": "\n\nIs this message spam?\nAnswer:{?}", "options": [" yes", " no"]}
+WORKLOADS = cal.Calibration({
+    "spam": cal.Workload(2.0, rule="floor_lift", thresholds={" yes": 0.3}),
+    "plain": cal.Workload(0.5),
+})  # fmt: skip
+
+
+def test_a_query_with_a_workload_gets_its_calibrated_block(gemma_engine):
+    scorer = Scorer(gemma_engine, calibration=WORKLOADS)
+    body = {
+        "messages": [{"content": "WIN a FREE cruise!!! Click now to claim your prize."}],
+        "scoring": {"queries": [SPAM | {"workload": "spam"}, SPAM | {"id": "plain", "workload": "plain"},
+                                SPAM | {"id": "raw"}]},
+    }  # fmt: skip
+    plan = scorer.plan(body)
+    queries = scorer.finish(plan, gemma_engine.score_trees(plan.trees)).results[0].queries
+    spam, plain, raw = (q.combinations[0] for q in queries)
+    assert raw.calibrated is None
+    logprobs = np.array([o.logprob for o in raw.options])
+    floor = np.log([o.floor_p for o in raw.options])
+    for combo, name in ((spam, "spam"), (plain, "plain")):
+        assert [o.logprob for o in combo.options] == list(logprobs)  # a workload changes no native score
+        workload = WORKLOADS.workloads[name]
+        expected = cal.apply_temperature(logprobs, workload.temperature)
+        assert combo.calibrated.probabilities == pytest.approx(list(expected))
+        assert combo.calibrated.workload == name and combo.calibrated.rule == workload.rule
+    assert spam.calibrated.choice == SPAM["options"][int(np.argmax(logprobs - floor))]
+    assert plain.calibrated.choice == SPAM["options"][int(np.argmax(logprobs))]
+    assert spam.calibrated.above_threshold == ([" yes"] if spam.calibrated.probabilities[0] >= 0.3 else [])
+    assert plain.calibrated.above_threshold == []  # no thresholds fitted
+
+
+@pytest.mark.parametrize(
+    "query, scoring, code, param",
+    [
+        (SPAM | {"workload": "nobody"}, {}, "unknown_workload", "scoring.queries[0].workload"),
+        (
+            {"id": "m", "template": "A:{*}", "workload": "plain"},
+            {},
+            "invalid_request",
+            "scoring.queries[0].workload",
+        ),
+        (SPAM | {"workload": "spam"}, {"empty_floor": False}, "invalid_request", "scoring.empty_floor"),
+    ],
+)
+def test_workload_errors(gemma_engine, query, scoring, code, param):
+    body = {"messages": [{"content": "Hello."}], "scoring": {"queries": [query], **scoring}}
+    with pytest.raises(ScoringError) as e:
+        Scorer(gemma_engine, calibration=WORKLOADS).plan(body)
+    assert (e.value.code, e.value.param) == (code, param), e.value.message
+    with pytest.raises(ScoringError) as e:  # a server without a calibration file knows no workload
+        Scorer(gemma_engine).plan(
+            {"messages": [{"content": "Hi."}], "scoring": {"queries": [SPAM | {"workload": "plain"}]}}
+        )
+    assert e.value.code == "unknown_workload"

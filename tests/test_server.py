@@ -2,6 +2,7 @@
 
 import copy
 import json
+import math
 import socket
 import threading
 import time
@@ -53,7 +54,7 @@ def _serve(app):
 
 @pytest.fixture(scope="module")
 def url(engine):
-    calibration = Calibration({"support": Workload(2.0)})
+    calibration = Calibration({"support": Workload(2.0), "spam": Workload(1.5, rule="floor_lift")})
     settings = Settings(MODEL, served_names=("spinf/gemma-4-12b-fp8",), calibration=calibration)
     server, thread, url = _serve(create_app(settings, engine))
     yield url
@@ -187,6 +188,31 @@ def test_openai_sdk_chat_completions(url):
         )
 
 
+def test_a_scoring_workload_through_the_openai_sdk(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    query = {"id": "spam", "template": "\n\nIs this spam?\nAnswer:{?}", "options": [" yes", " no"]}
+    scoring = {"queries": [query | {"workload": "spam"}]}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=BODY["messages"], extra_body={"scoring": scoring}
+    )
+    combination = reply.model_extra["results"][0]["queries"][0]["combinations"][0]
+    calibrated = combination["calibrated"]
+    assert (calibrated["workload"], calibrated["temperature"], calibrated["rule"]) == (
+        "spam",
+        1.5,
+        "floor_lift",
+    )
+    lifts = [o["logprob"] - math.log(o["floor_p"]) for o in combination["options"]]
+    assert calibrated["choice"] == query["options"][lifts.index(max(lifts))]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=BODY["messages"],
+            extra_body={"scoring": {"queries": [query | {"workload": "x"}]}},
+        )
+    assert e.value.code == "unknown_workload"
+
+
 def _with_content(text: str) -> dict:
     body = copy.deepcopy(BODY)
     body["messages"] = [{"role": "user", "content": text}]
@@ -304,7 +330,7 @@ def test_decisions_over_http(url, engine):
     shared = r.json()
     assert shared["object"] == "decision.list" and [d["id"] for d in shared["results"]] == ["e", "d"]
     assert shared["results"][1] == alone
-    assert httpx.get(f"{url}/health").json()["workloads"] == {"support": 2.0}
+    assert httpx.get(f"{url}/health").json()["workloads"] == {"support": 2.0, "spam": 1.5}
 
 
 def test_decision_errors_in_the_envelope(url):

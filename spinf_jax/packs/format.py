@@ -188,6 +188,11 @@ def _check(pack: Pack, path: Path) -> None:
             fail(where + ".template", "a pack question ends in its {?} slot")
         if not q.options:
             fail(where + ".options", "a pack question lists its options")
+        if q.workload is not None:
+            fail(
+                where + ".workload",
+                "a pack calibrates its cells itself (baselines), not with a server workload",
+            )
     categories: set[str] = set()
     for i, c in enumerate(pack.categories):
         if c.id in categories:

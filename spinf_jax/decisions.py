@@ -19,7 +19,6 @@ asked, or on the order they are listed in (the combination sums in a canonical o
 """
 
 import hashlib
-import itertools
 import json
 import time
 import uuid
@@ -32,7 +31,7 @@ import msgspec
 import numpy as np
 from msgspec.structs import replace
 
-from spinf_jax import api
+from spinf_jax import api, orderings
 from spinf_jax.calibration import Calibration, apply_temperature
 from spinf_jax.compiler import Limits
 from spinf_jax.decoding import convert
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
     from spinf_jax.engine import Engine, Scored
 
 LETTERS = "ABCDEFGHIJKLMNOP"
-MAX_ALL_ORDERINGS = 4  # "all" asks n! orderings: 24 at 4 options, 120 at 5
 SYSTEM = (
     "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
     "Respond with only its uppercase letter, with no explanation or reasoning."
@@ -131,15 +129,6 @@ class Decision:
     workload: str | None
 
 
-def orderings(n: int, which: str | None) -> list[tuple[int, ...]]:
-    """The option orders asked, the order listed first."""
-    if which is None:
-        return [tuple(range(n))]
-    if which == "rotations":
-        return [tuple((k + j) % n for j in range(n)) for k in range(n)]
-    return list(itertools.permutations(range(n)))
-
-
 def _at(param: str, name: str) -> str:
     """A field of a decision: top-level in /decide (param ""), decisions[i].name in /decide/shared."""
     return f"{param}.{name}" if param else name
@@ -160,13 +149,8 @@ def _check(question: api.DecisionQuestion, param: str, calibration: Calibration 
                 _at(param, f"options[{j}].id"),
             )
         seen.add(option.id)
-    if question.orderings == "all" and n > MAX_ALL_ORDERINGS:
-        raise ScoringError(
-            "too_many_orderings",
-            f'"all" orderings of {n} options would be {np.prod(range(1, n + 1)):,} prompts; it is allowed up '
-            f'to {MAX_ALL_ORDERINGS} options: use "rotations"',
-            _at(param, "orderings"),
-        )
+    if problem := orderings.count_error(n, question.orderings):
+        raise ScoringError("too_many_orderings", problem, _at(param, "orderings"))
     workload = question.workload
     if workload is not None and (calibration is None or workload not in calibration.workloads):
         known = ", ".join(sorted(calibration.workloads)) if calibration else "none: serve with --calibration"
@@ -194,7 +178,7 @@ def compile_decisions(
         _check(question, param, calibration)
         descriptions = [o.description for o in question.options]
         asked = []
-        for order in orderings(len(descriptions), question.orderings):
+        for order in orderings.orders(len(descriptions), question.orderings):
             text, state_end = form.render(state, question.question, [descriptions[i] for i in order])
             encoding = tokenizer.backend.encode(text, add_special_tokens=False)
             ids = list(encoding.ids)
@@ -232,56 +216,11 @@ def compile_decisions(
 # Scores → the reply
 
 
-def _distribution(logprobs: np.ndarray) -> np.ndarray:
-    weights = np.exp(logprobs - np.max(logprobs))
-    return weights / np.sum(weights)
-
-
-@dataclass(frozen=True)
-class Read:
-    """One ordering's answer, in letter order: the letters' log-probabilities and their distribution.
-    Kept in letter order because a sum's rounding depends on its order: the same prompt then gives the same
-    bits whichever way the request listed the options."""
-
-    order: tuple[int, ...]
-    logprobs: np.ndarray
-    p: np.ndarray
-
-    def by_option(self, values: np.ndarray) -> np.ndarray:
-        out = np.empty(len(self.order))
-        out[list(self.order)] = values
-        return out
-
-
-def _by_id(normalise, values: np.ndarray, ids: tuple[str, ...]) -> np.ndarray:
-    """normalise(values), computed over the options sorted by id: the same bits however they are listed."""
-    canonical = np.argsort(np.array(ids, dtype=object))
-    out = np.empty(len(ids))
-    out[canonical] = normalise(values[canonical])
+def _by_option(order: tuple[int, ...], letter_values: np.ndarray) -> np.ndarray:
+    """Values in letter order → per option, in the options' listed order."""
+    out = np.empty(len(order))
+    out[list(order)] = letter_values
     return out
-
-
-def combine(decision: Decision, reads: list[Read]) -> api.Combined:
-    """The orderings' log-mean: each ordering's probabilities (renormalised over its letters) are averaged
-    in log space per option, then renormalised. Every sum runs in a canonical order (orderings and options
-    by the options' ids), so the bits do not depend on the order the orderings, or the options, are listed
-    in."""
-    ids = decision.option_ids
-    canonical = sorted(range(len(reads)), key=lambda k: [ids[i] for i in reads[k].order])
-    total = np.zeros(len(ids))
-    for k in canonical:
-        total = total + reads[k].by_option(np.log(reads[k].p))
-    p = _by_id(_distribution, total / len(reads), ids)
-    top = int(np.argmax(p))
-    each = np.array([r.by_option(r.p) for r in reads])  # [orderings, options]
-    return api.Combined(
-        method="log-mean",
-        orderings=len(reads),
-        probabilities=p.tolist(),
-        top=ids[top],
-        agreement=float(np.mean(np.argmax(each, axis=1) == top)),
-        spread=float(np.max(np.max(each, axis=0) - np.min(each, axis=0))),
-    )
 
 
 @dataclass
@@ -378,43 +317,44 @@ class Decider:
         )
 
     def _result(self, decision: Decision, letter_logprobs: list[np.ndarray]) -> api.DecisionResult:
-        reads = [
-            Read(o.order, lp, _distribution(lp))
-            for o, lp in zip(decision.orderings, letter_logprobs, strict=True)
-        ]
-        listed, first = reads[0], decision.orderings[0]
+        ids, asked = decision.option_ids, [o.order for o in decision.orderings]
+        # Each ordering renormalised over its letters in letter order: the same prompt, the same bits,
+        # whichever way the request listed the options. Then per option, in the listed order.
+        letter_p = [orderings.distribution(lp) for lp in letter_logprobs]
+        per_option = [_by_option(order, p) for order, p in zip(asked, letter_p, strict=True)]
+        first = decision.orderings[0]
         result = api.DecisionResult(
             id=decision.id,
-            option_ids=list(decision.option_ids),
-            probabilities=listed.p.tolist(),  # the listed order is letter order
-            option_logits=listed.logprobs.tolist(),
+            option_ids=list(ids),
+            probabilities=per_option[0].tolist(),  # the listed order is the first ordering's letter order
+            option_logits=letter_logprobs[0].tolist(),
             prompt_sha256=first.prompt_sha256,
             prompt_version=self.format.version,
             model=self.model_info,
             input_tokens=first.input_tokens,
             system_fingerprint=self.engine.fingerprint,
         )
-        chosen = listed.p
+        chosen = per_option[0]
         if decision.averaged:
             result.orderings = [
                 api.OrderingResult(
-                    order=[decision.option_ids[i] for i in o.order],
-                    probabilities=r.by_option(r.p).tolist(),
-                    option_logits=r.by_option(r.logprobs).tolist(),
+                    order=[ids[i] for i in o.order],
+                    probabilities=p.tolist(),
+                    option_logits=_by_option(o.order, lp).tolist(),
                     prompt_sha256=o.prompt_sha256,
                 )
-                for o, r in zip(decision.orderings, reads, strict=True)
+                for o, p, lp in zip(decision.orderings, per_option, letter_logprobs, strict=True)
             ]
-            result.combined = combine(decision, reads)
+            result.combined = orderings.combine(ids, asked, per_option)
             chosen = np.array(result.combined.probabilities)
         if decision.workload is not None:
             temperature = self.calibration.workloads[decision.workload].temperature
-            p = _by_id(lambda x: apply_temperature(x, temperature), np.log(chosen), decision.option_ids)
+            p = orderings.by_id(lambda x: apply_temperature(x, temperature), np.log(chosen), ids)
             result.calibrated = api.Calibrated(
                 workload=decision.workload,
                 temperature=temperature,
                 probabilities=p.tolist(),
-                top=decision.option_ids[int(np.argmax(p))],
+                top=ids[int(np.argmax(p))],
             )
         return result
 

@@ -116,6 +116,14 @@ class Query(Struct, kw_only=True):
             "absent: false"
         ),
     ] = None
+    orderings: Annotated[
+        Literal["rotations", "all"] | None,
+        Meta(
+            description="for a {?} slot whose template lists the options where {options} stands: also ask "
+            'them listed in other orders ("rotations", or "all" up to 4 options), each a branch of the same '
+            "read; each combination then has `combined`"
+        ),
+    ] = None
     workload: Annotated[
         str | None,
         Meta(
@@ -251,6 +259,10 @@ class CombinationResult(Struct, kw_only=True, omit_defaults=True):
         list[Answer] | None, Meta(description="for an extraction slot asked with floor: on empty content")
     ] = None
     calibrated: Annotated[ScoreCalibrated | None, Meta(description="for a query with a workload")] = None
+    combined: Annotated[
+        "Combined | None",
+        Meta(description="for a query with orderings: their log-mean (top: an option's text)"),
+    ] = None
 
 
 class QueryResult(Struct, kw_only=True):
@@ -417,7 +429,7 @@ class Combined(Struct, kw_only=True):
     probabilities: Annotated[
         list[float], Meta(description="per option: the orderings' mean log-probability, renormalised")
     ]
-    top: Annotated[str, Meta(description="the most likely option's id")]
+    top: Annotated[str, Meta(description="the most likely option's id (a query's: its text)")]
     agreement: Annotated[
         float,
         Meta(description="the share of orderings whose most likely option is `top`: a confidence signal"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from spinf_jax import api
+from spinf_jax import api, orderings
 from spinf_jax.answers import vocabulary
 from spinf_jax.calibration import Calibration
 from spinf_jax.errors import ScoringError
@@ -74,8 +74,11 @@ class Question:
 class Query:
     id: str
     slot: Slot
-    questions: tuple[Question, ...]  # one per combination, in order
+    questions: tuple[Question, ...]  # one per combination (per combination and ordering), in order
     workload: str | None = None  # its calibration (spinf_jax.calibration), for a {?} slot
+    # With orderings: the option orders each combination is asked in (spinf_jax.orderings), the listed order
+    # first; a combination's questions follow each other in this order.
+    orders: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -218,12 +221,13 @@ class _Spec:
     slot: Slot
     param: str  # where the query sits, e.g. "scoring.queries[2]"
     combinations: list[dict[str, str]]
-    fills: list[str]  # the template filled with each combination, up to its slot
+    fills: list[str]  # the template filled with each combination (and ordering), up to its slot
     options: list[str]
     closing: str = ""  # an extraction slot's closing text
     extract: Extract | None = None  # its settings, closing_ids not filled in yet
     floor: bool = False  # an extraction slot asked on empty content too
     workload: str | None = None
+    orders: list[tuple[int, ...]] | None = None  # with orderings (then fills are combinations x orders)
 
 
 def _parse_queries(queries: list[api.Query], param: str, limits: Limits, taken: set[str]) -> list[_Spec]:
@@ -241,9 +245,25 @@ def _parse_queries(queries: list[api.Query], param: str, limits: Limits, taken: 
 def _parse_query(query: api.Query, param: str, limits: Limits) -> _Spec:
     parts, slot, closing = parse_template(query.template, param + ".template", limits.max_placeholders)
     names = list(dict.fromkeys(p[0] for p in parts if isinstance(p, tuple)))
+    if query.orderings is not None:  # {options} lists the options, in each ordering's order
+        if slot is not Slot.SCORE:
+            raise _invalid(param + ".orderings", "orderings go with a {?} slot")
+        if LISTED not in names:
+            raise _bad_template(
+                param + ".template", f"orderings need the template to list the options: write {{{LISTED}}}"
+            )
+        names.remove(LISTED)
     combinations = _combinations(query, names, param, limits)
     options = _options(query.options, slot, param + ".options", limits)
-    fills = [_fill(parts, values) for values in combinations]
+    orders = None
+    if query.orderings is not None:
+        if problem := orderings.count_error(len(options), query.orderings):
+            raise ScoringError("too_many_orderings", problem, param + ".orderings")
+        orders = orderings.orders(len(options), query.orderings)
+        fills = [_fill(parts, values | {LISTED: _listing(options, order)}) for values in combinations
+                 for order in orders]  # fmt: skip
+    else:
+        fills = [_fill(parts, values) for values in combinations]
     extract = _extraction(query, slot, param)
     if extract is not None and not closing and parts and isinstance(parts[-1], str):
         closing = _IMPLIED_CLOSING.get(parts[-1][-1], "")  # A: "{*} ends at the closing quote
@@ -260,6 +280,7 @@ def _parse_query(query: api.Query, param: str, limits: Limits) -> _Spec:
         extract,
         bool(query.floor),
         query.workload,
+        orders,
     )
 
 
@@ -298,6 +319,15 @@ def _in_range(value: int | None, default: int, most: int, param: str) -> int:
     if not 1 <= value <= most:
         raise ScoringError("out_of_range", f"{value} is out of range: 1 to {most}", param)
     return value
+
+
+LISTED = "options"  # the placeholder that lists a query's options, with orderings
+
+
+def _listing(options: list[str], order: tuple[int, ...]) -> str:
+    """The options as {options} lists them: in this order, each without its surrounding spaces, joined by
+    ", " (" billing", " shipping" → "billing, shipping")."""
+    return ", ".join(options[i].strip() for i in order)
 
 
 def _combinations(query: api.Query, names: list[str], param: str, limits: Limits) -> list[dict[str, str]]:
@@ -447,7 +477,7 @@ def _choose(query_ids: list[str], by_id: dict[str, _Spec], param: str) -> list[_
 
 
 def _check_questions(item: _Input, param: str, limits: Limits, pack_questions: int) -> None:
-    count = sum(len(spec.combinations) for spec in item.specs) + pack_questions
+    count = sum(len(spec.fills) for spec in item.specs) + pack_questions
     if count > limits.max_questions_per_content:
         raise ScoringError(
             "too_many_questions",
@@ -564,7 +594,9 @@ def _build_query(
                 f"{spec.param}.options[{j}]",
             )
     questions, checked = [], set()  # checked: junctions whose options all join cleanly
-    for values, filled in zip(spec.combinations, spec.fills, strict=True):
+    per_combination = len(spec.orders) if spec.orders else 1
+    for n, filled in enumerate(spec.fills):
+        values = spec.combinations[n // per_combination]
         template_ids = ids[filled]
         where = f" (values {values})" if values else ""
         if len(template_ids) > limits.max_template_tokens:
@@ -592,10 +624,12 @@ def _build_query(
                         f"{spec.param}.options[{j}]",
                     )
             checked.add(junction)
+        # Each ordering is scored on the content; the floor is the listed order's.
+        asked_floor = floor and n % per_combination == 0
         questions.append(
-            Question(spec.id, values, template_ids, tuple(spec.options), option_ids, extract, floor)
+            Question(spec.id, values, template_ids, tuple(spec.options), option_ids, extract, asked_floor)
         )
-    return Query(spec.id, spec.slot, tuple(questions), spec.workload)
+    return Query(spec.id, spec.slot, tuple(questions), spec.workload, tuple(spec.orders or ()))
 
 
 def _tokenize(tokenizer, inputs: list[_Input], specs: list[_Spec], extra=()) -> dict[str, tuple[int, ...]]:

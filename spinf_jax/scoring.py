@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from spinf_jax import api
+from spinf_jax import api, orderings
 from spinf_jax.answers import parse_amount, parse_number
 from spinf_jax.calibration import Calibration, Workload, apply_temperature
-from spinf_jax.compiler import CompiledRequest, Limits, PackAsk, Question, compile_request
+from spinf_jax.compiler import CompiledRequest, Limits, PackAsk, Query, Question, compile_request
 from spinf_jax.decoding import convert
 from spinf_jax.errors import ScoringError
 from spinf_jax.extraction import Decoded
@@ -140,17 +140,15 @@ class Scorer:
             queries, i = [], 0
             for query in content.queries:
                 combinations = []
-                for q in query.questions:
+                step = len(query.orders) or 1  # a combination's questions: one per ordering
+                for start in range(0, len(query.questions), step):
+                    q = query.questions[start]
+                    mine, i = answered[i : i + step], i + step
                     floor = floors.get(question_key(q)) if q.floor else None
                     if q.extract is not None:
-                        combinations.append(self._extracted(q, answered[i], floor))
-                        i += 1
+                        combinations.append(self._extracted(q, mine[0], floor))
                         continue
-                    combo = _scored_combination(q, answered[i], floor)
-                    i += 1
-                    if query.workload is not None:
-                        workload = self.calibration.workloads[query.workload]
-                        combo.calibrated = _calibrated(q, query.workload, workload, answered[i - 1], floor)
+                    combo = self._scored(query, q, mine, floor)
                     combinations.append(combo)
                     mass = 1.0 - combo.residual
                     if mass < LOW_OPTION_MASS:
@@ -186,6 +184,19 @@ class Scorer:
             warnings=warnings,
             usage=api.Usage(prompt_tokens=tokens, prompt_tokens_details=usage),
         )
+
+    def _scored(self, query: Query, q: Question, per_order: list[np.ndarray], floor) -> api.CombinationResult:
+        """A {?} combination from its options' log-probs in each ordering asked (the listed order first)."""
+        combo = _scored_combination(q, per_order[0], floor)
+        chosen = per_order[0]
+        if query.orders:
+            p = [orderings.by_id(orderings.distribution, lp, q.options) for lp in per_order]
+            combo.combined = orderings.combine(q.options, list(query.orders), p)
+            chosen = np.log(np.array(combo.combined.probabilities))
+        if query.workload is not None:
+            workload = self.calibration.workloads[query.workload]
+            combo.calibrated = _calibrated(q, query.workload, workload, chosen, floor)
+        return combo
 
     def _extracted(self, q: Question, decoded: list[Decoded], floor) -> api.CombinationResult:
         answers, residual = _answers(decoded, q.extract, self.engine.model.tokenizer)
@@ -318,7 +329,7 @@ def _calibrated(
 ) -> api.ScoreCalibrated:
     """A combination at its workload's temperature, with the option its rule picks and those over their
     thresholds."""
-    p = apply_temperature(logprobs, workload.temperature)
+    p = orderings.by_id(lambda x: apply_temperature(x, workload.temperature), logprobs, q.options)
     lifted = logprobs - floor if workload.rule == "floor_lift" else p
     return api.ScoreCalibrated(
         workload=name,

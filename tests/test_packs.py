@@ -81,6 +81,7 @@ BROKEN = [
     (("questions", 0, "id"), "refund", "questions[1].id", "used twice"),
     (("questions", 0, "template"), "Is it?{?} yes", "questions[0].template", "ends in its {?} slot"),
     (("questions", 0, "workload"), "triage", "questions[0].workload", "calibrates its cells itself"),
+    (("questions", 0, "orderings"), "all", "questions[0].orderings", "no orderings"),
     (("categories", 0, "cells", 0, "option"), " maybe", "categories[0].cells[0].option", "not an option"),
     (("categories", 0, "cells", 0, "question"), "nope", "categories[0].cells[0].question", "no question"),
     (("categories", 1, "cells", 2, "baseline"), {"mean": 1.0}, "categories[1].cells[2].baseline", "together"),

@@ -188,7 +188,7 @@ def test_openai_sdk_chat_completions(url):
         )
 
 
-def test_a_scoring_workload_through_the_openai_sdk(url):
+def test_workloads_and_orderings_of_queries_through_the_openai_sdk(url):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
     query = {"id": "spam", "template": "\n\nIs this spam?\nAnswer:{?}", "options": [" yes", " no"]}
     scoring = {"queries": [query | {"workload": "spam"}]}
@@ -211,6 +211,14 @@ def test_a_scoring_workload_through_the_openai_sdk(url):
             extra_body={"scoring": {"queries": [query | {"workload": "x"}]}},
         )
     assert e.value.code == "unknown_workload"
+    # Option-order averaging on a query that lists its options.
+    listed = query | {"id": "listed", "template": "\n\nSpam ({options})?{?}", "orderings": "rotations"}
+    scoring = {"queries": [listed]}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=BODY["messages"], extra_body={"scoring": scoring}
+    )
+    combined = reply.model_extra["results"][0]["queries"][0]["combinations"][0]["combined"]
+    assert combined["orderings"] == 2 and combined["top"] in (" yes", " no")
 
 
 def _with_content(text: str) -> dict:

@@ -188,6 +188,8 @@ def _check(pack: Pack, path: Path) -> None:
             fail(where + ".template", "a pack question ends in its {?} slot")
         if not q.options:
             fail(where + ".options", "a pack question lists its options")
+        if q.orderings is not None:
+            fail(where + ".orderings", "a pack's cells read its options as listed: no orderings")
         if q.workload is not None:
             fail(
                 where + ".workload",

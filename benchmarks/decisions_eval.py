@@ -2,7 +2,9 @@
 temperature change, with 95% bootstrap intervals. Not run in CI.
 
 For each model and each set (benchmarks/data, made by make_eval_sets.py), it starts `spinf-jax serve` on a
-free port, sends every row to /decide with `orderings: "rotations"` (16 requests in flight), and measures:
+free port and sends every row with `orderings: "rotations"` (16 requests in flight) as a decision to /decide
+(mode "decide"), and as a question to /v1/score whose template lists the options (mode "score", TEMPLATES
+below). Per model, set and mode it measures:
 - accuracy and balanced accuracy of the options as listed (`probabilities`) and order-averaged (`combined`),
   with a paired bootstrap interval of the difference;
 - ECE, NLL and Brier before and after a temperature, out of fold (spinf_jax.calibration.report: 5 folds,
@@ -42,15 +44,46 @@ def read_set(name: str, limit: int | None) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
-def decide(url: str, rows: list[dict]) -> list[dict]:
-    def one(row: dict) -> dict:
+# The same rows as /v1/score questions, for mode "score": the content is the state, the template lists the
+# options where {options} stands, and the options are the row's option ids with a leading space.
+TEMPLATES = {
+    "review_sentiment": "\n\nThe sentiment of this review ({options}):{?}",
+    "boolq": "\n\nQuestion: {question}\nAnswer ({options}):{?}",
+}
+
+
+def ask(url: str, rows: list[dict], mode: str, name: str) -> list[dict]:
+    """Every row through the server (16 requests in flight) with orderings "rotations": per row, the option
+    ids, their probabilities as listed, and `combined`."""
+
+    def decide(row: dict) -> dict:
         body = {k: row[k] for k in ("id", "state", "question", "options")} | {"orderings": "rotations"}
-        response = httpx.post(f"{url}/decide", json=body, timeout=600)
+        reply = post("/decide", body)
+        return {k: reply[k] for k in ("option_ids", "probabilities", "combined")}
+
+    def score(row: dict) -> dict:
+        ids = [o["id"] for o in row["options"]]
+        query = {
+            "id": "q",
+            "template": TEMPLATES[name],
+            "options": [" " + i for i in ids],
+            "orderings": "rotations",
+        }
+        if "{question}" in query["template"]:
+            query["combinations"] = [{"question": row["question"]}]
+        combination = post(
+            "/v1/score", {"messages": [{"content": row["state"]}], "scoring": {"queries": [query]}}
+        )["results"][0]["queries"][0]["combinations"][0]
+        return {"option_ids": ids, "probabilities": [o["p"] for o in combination["options"]],
+                "combined": combination["combined"]}  # fmt: skip
+
+    def post(path: str, body: dict) -> dict:
+        response = httpx.post(f"{url}{path}", json=body, timeout=600)
         response.raise_for_status()
         return response.json()
 
     with ThreadPoolExecutor(16) as pool:
-        return list(pool.map(one, rows))
+        return list(pool.map(decide if mode == "decide" else score, rows))
 
 
 def paired_difference(a: np.ndarray, b: np.ndarray, groups: list[str], draws: int = 2000) -> list[float]:
@@ -146,6 +179,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--sets", nargs="+", default=SETS)
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["decide", "score"],
+        help="/decide prompts, /v1/score questions, or both",
+    )
     parser.add_argument("--precision", default="fp32", help="serve's --precision")
     parser.add_argument("--limit", type=int, help="only the first N rows of each set")
     parser.add_argument("--serve-args", default="", help="more options for `spinf-jax serve`")
@@ -160,10 +199,11 @@ def main() -> None:
             health = wait_ready(url, process, timeout=1800)
             for name in args.sets:
                 rows = read_set(name, args.limit)
-                result = evaluate(rows, decide(url, rows))
-                result["system_fingerprint"] = health["system_fingerprint"]
-                results[f"{model} {name}"] = result
-                print_table(model, name, result)
+                for mode in args.modes:
+                    result = evaluate(rows, ask(url, rows, mode, name))
+                    result["system_fingerprint"] = health["system_fingerprint"]
+                    results[f"{model} {name} {mode}"] = result
+                    print_table(model, f"{name}, {mode}", result)
         finally:
             stop_server(process)
     document = {

@@ -147,3 +147,47 @@ def report(questions: int, tokens: int, seconds: float, peak_gib: float, params:
         "mfu_vs_fp8_peak": flops / (peaks["fp8_gemm_tflops"] * 1e12),
         "mfu_vs_bf16_peak": flops / (peaks["bf16_gemm_tflops"] * 1e12),
     }
+
+
+def random_engine(args, name: str = "gemma-3-12b-shape-random"):
+    """An Engine at Gemma 3 12B's shape with made-up weights, the real Gemma 3 tokenizer (args.tokenizer),
+    args.precision and args.buckets."""
+    import tokenizers
+
+    from spinf_jax.engine import Engine
+    from spinf_jax.loader import Model, load_weights
+    from spinf_jax.models import abstract_decoder
+    from spinf_jax.packer import Buckets
+    from spinf_jax.quant import Precision
+    from spinf_jax.tokenizer import Tokenizer
+
+    decoder = abstract_decoder(GEMMA3_12B, Precision(args.precision))
+    load_weights(decoder, SyntheticCheckpoint(decoder, GEMMA3_12B))
+    tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
+    buckets = tuple(int(b) for b in args.buckets.split(","))
+    return Engine(Model(name, decoder, tok, digest="random-0"), Buckets(buckets))
+
+
+def serve_in_thread(app):
+    """The app on uvicorn on a free port, in this process; returns (uvicorn server, httpx client) once
+    /health says the model is ready."""
+    import contextlib
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+    health = {"status": "warming_up"}
+    while health["status"] == "warming_up":
+        time.sleep(0.5)
+        with contextlib.suppress(httpx.TransportError):  # not listening yet
+            health = client.get("/health").json()
+    assert health["status"] == "ok", health
+    return server, client, health

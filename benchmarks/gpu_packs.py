@@ -9,29 +9,17 @@ message's pack result alone equals its result inside a batch (bits, over HTTP).
     python3 benchmarks/gpu_packs.py --tokenizer gemma3-tokenizer.json --out $OUT
 """
 
-import contextlib
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import jax
-import tokenizers
-import uvicorn
-from common import GEMMA3_12B, SyntheticCheckpoint, engine_args
+from common import engine_args, random_engine, serve_in_thread
 
-from spinf_jax.engine import Engine
-from spinf_jax.loader import Model, load_weights
-from spinf_jax.models import abstract_decoder
-from spinf_jax.packer import Buckets
 from spinf_jax.packs.loader import OFFICIAL, load_packs
-from spinf_jax.quant import Precision
 from spinf_jax.server.app import create_app
 from spinf_jax.server.settings import Settings
-from spinf_jax.tokenizer import Tokenizer
 
 PACK = "spinf/moderation"
 DATA = OFFICIAL / "spinf" / "data"
@@ -40,15 +28,6 @@ DATA = OFFICIAL / "spinf" / "data"
 def messages(n: int) -> list[str]:
     texts = [json.loads(line)["text"] for f in sorted(DATA.glob("moderation-*.jsonl")) for line in f.open()]
     return [texts[i % len(texts)] for i in range(n)]
-
-
-def serve(app) -> tuple[uvicorn.Server, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    return server, f"http://127.0.0.1:{port}"
 
 
 def options(parser) -> None:
@@ -63,20 +42,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "pack": PACK,
                "weights": "made-up values (a repeated random pattern), Gemma 3 12B text shape"}  # fmt: skip
-    decoder = abstract_decoder(GEMMA3_12B, Precision(args.precision))
-    load_weights(decoder, SyntheticCheckpoint(decoder, GEMMA3_12B))
-    tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
-    buckets = tuple(int(b) for b in args.buckets.split(","))
-    engine = Engine(Model("gemma-3-12b-shape-random", decoder, tok, digest="random-0"), Buckets(buckets))
+    engine = random_engine(args)
     start = time.perf_counter()
-    server, url = serve(create_app(Settings("gemma-3-12b-shape-random", packs=load_packs()), engine))
-    client = httpx.Client(base_url=url, timeout=600)
-    health = {"status": "warming_up"}
-    while health["status"] == "warming_up":
-        time.sleep(0.5)
-        with contextlib.suppress(httpx.TransportError):  # not listening yet
-            health = client.get("/health").json()
-    assert health["status"] == "ok", health
+    server, client, health = serve_in_thread(
+        create_app(Settings("gemma-3-12b-shape-random", packs=load_packs()), engine)
+    )
     results["ready_seconds"] = time.perf_counter() - start
     pack = next(p for p in health["packs"] if p["id"] == PACK)
     results["pack_questions"], results["pack_categories"] = pack["questions"], len(pack["categories"])

@@ -74,15 +74,8 @@ class Format:
         self.letter_ids = []
         for text in self.letter_texts:
             ids = tokenizer.encode(text)
-            if (
-                len(ids) != 1
-                or tokenizer.decode(ids) != text
-                or tokenizer.encode(probe + text)
-                != [
-                    *probe_ids,
-                    *ids,
-                ]
-            ):
+            apart = tokenizer.encode(probe + text) == probe_ids + ids
+            if len(ids) != 1 or tokenizer.decode(ids) != text or not apart:
                 raise ScoringError(
                     "decisions_unsupported",
                     f"this model's tokenizer does not read the answer {text!r} as one token of its own after "
@@ -169,7 +162,7 @@ def compile_decisions(
     calibration: Calibration | None,
 ) -> tuple[tuple[int, ...], list[Decision]]:
     """The state's trunk (tokens without BOS) and each decision's orderings as branches; raises
-    ScoringError."""  # fmt: skip
+    ScoringError."""
     if state in ("", {}, []) or (isinstance(state, str) and not state.strip()):
         raise ScoringError("empty_state", "the state is empty: give the text or JSON to decide over", "state")
     tokenizer, prefix = form.tokenizer, form.tokenizer.prefix()
@@ -228,7 +221,6 @@ class DecisionPlan:
     trunk: tuple[int, ...]
     decisions: list[Decision]
     trees: list[Tree]  # the decisions' orderings, in order, as branches
-    model: str | None
     shared: bool  # a /decide/shared request
 
 
@@ -291,7 +283,7 @@ class Decider:
             chunks = content_trees(self.format.tokenizer.prefix(), list(trunk), keys, self.engine.buckets)
         except ValueError as e:
             raise ScoringError("question_too_large", str(e), "state") from e
-        return DecisionPlan(trunk, decisions, [tree for tree, _ in chunks], body.model, shared)
+        return DecisionPlan(trunk, decisions, [tree for tree, _ in chunks], shared)
 
     def finish(self, plan: DecisionPlan, scored: list["Scored"]):
         """The reply of a plan whose trees were scored: an api.DecisionResult, or api.SharedDecisions."""

@@ -337,6 +337,7 @@ def _calibrated(
         probabilities=p.tolist(),
         choice=q.options[int(np.argmax(lifted))],
         rule=workload.rule,
+        # An option without a threshold is never above one (no p reaches 2).
         above_threshold=[
             o for o, pi in zip(q.options, p, strict=True) if pi >= workload.thresholds.get(o, 2.0)
         ],

@@ -214,6 +214,56 @@ def _calibration(args) -> int:
     return 0
 
 
+def _score(args) -> int:
+    """`spinf-jax score INPUT --out OUT (--queries FILE | --pack ID)`: a JSON Lines file through the engine
+    or a server (spinf_jax.bulk)."""
+    import json
+
+    from tqdm import tqdm
+
+    from spinf_jax import bulk
+
+    if not args.queries and not args.pack:
+        print("spinf-jax score: give --queries FILE or --pack ID (or both)", file=sys.stderr)
+        return 2
+    template = {}
+    if args.queries:
+        try:
+            scoring = json.loads(Path(args.queries).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"spinf-jax score: --queries: {e}", file=sys.stderr)
+            return 2
+        template["scoring"] = {"queries": scoring} if isinstance(scoring, list) else scoring
+    if args.pack:
+        template["packs"] = [{"id": pack} for pack in args.pack]
+    source, out = Path(args.input), Path(args.out)
+    if not source.is_file():
+        print(f"spinf-jax score: {source}: no such file", file=sys.stderr)
+        return 2
+    if args.url:
+        from spinf_jax.client import Client
+
+        if args.model:
+            template["model"] = args.model
+        backend = Client(args.url, args.api_key).score
+    else:
+        from spinf_jax.engine import Engine
+        from spinf_jax.loader import DEFAULT_MODEL
+        from spinf_jax.packs.compiled import compile_packs
+        from spinf_jax.packs.loader import load_packs
+        from spinf_jax.scoring import Scorer
+
+        engine = Engine.load(args.model or DEFAULT_MODEL, args.precision)
+        packs = compile_packs(
+            load_packs(args.packs, official=not args.no_official_packs), engine.model.tokenizer
+        )
+        backend = bulk.in_process(Scorer(engine, packs=packs))
+    with tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
+        summary = bulk.run(source, out, template, backend, args.batch, bar)
+    bulk.report(summary)
+    return 0
+
+
 def _pack_sources(parser) -> None:
     """The flags that say which packs load: `serve`'s and the `packs` commands'."""
     parser.add_argument(
@@ -293,6 +343,27 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=_serve)
 
     from spinf_jax.loader import DEFAULT_MODEL
+
+    p = sub.add_parser(
+        "score",
+        help="score a JSON Lines file of contents into a JSON Lines file of results (docs/bulk.md)",
+        description="Streams any number of contents through the engine in this process (or a server with "
+        "--url), in batches written and flushed as they finish; a restart skips what OUT already holds for "
+        "the same request; bad lines are reported with their line number and skipped.",
+    )
+    p.add_argument("input", help='JSON Lines: {"id", "text"} or {"id", "messages"} a line')
+    p.add_argument("--out", required=True, help="JSON Lines of results, appended to")
+    p.add_argument("--queries", help='a JSON file: a list of queries, or a scoring block {"queries": [...]}')
+    p.add_argument("--pack", action="append", default=[], metavar="ID", help="ask a prompt pack; repeatable")
+    p.add_argument("--url", help="score through this server instead of in this process")
+    p.add_argument("--api-key", help="with --url: the key (default $SPINF_API_KEY)")
+    p.add_argument(
+        "--model", help="in process: the model to load (default Gemma 3 270M); with --url: its name"
+    )
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp8", "int8"])
+    p.add_argument("--batch", type=int, default=64, help="contents per request (and per flush)")
+    _pack_sources(p)
+    p.set_defaults(run=_score)
 
     p = sub.add_parser(
         "calibrate",

@@ -1,0 +1,156 @@
+"""Bulk scoring: a JSON Lines file of contents through the engine (in this process) or a server, into a JSON
+Lines file of results, one line per content, in batches that are written and flushed as they finish.
+
+An input line is {"id": ..., "text": ...} or {"id": ..., "messages": [...]} (an `inputs` entry of the API; its
+own "queries" and "query_ids" are kept). An output line is the content's result ({"input_id", "queries",
+"packs"?}) with "request_sha256": the hash of what was asked (the content and the request's scoring, packs
+and model), so a restart skips exactly the contents already answered for this request, and a changed
+question is asked again. A line that cannot be read, or that the API refuses (a content over the limit, a
+bad query of its own), is reported with its line number and skipped; the rest of its batch is scored.
+"""
+
+import hashlib
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from spinf_jax import api
+
+Backend = Callable[[dict], api.ScoreResponse]  # an `inputs` request body → its response
+_INPUT_PARAM = re.compile(r"^inputs\[(\d+)\]")
+
+
+@dataclass
+class Summary:
+    scored: int = 0
+    already_done: int = 0
+    bad: list[str] = field(default_factory=list)  # "line N: why"
+    seconds: float = 0.0
+    prompt_tokens: int = 0
+
+    def line(self) -> str:
+        rate = self.scored / self.seconds if self.seconds else 0.0
+        return (
+            f"scored {self.scored:,} in {self.seconds:.1f} s ({rate:,.1f}/s, {self.prompt_tokens:,} tokens); "
+            f"{self.already_done:,} already in the output; {len(self.bad):,} bad lines skipped"
+        )
+
+
+def request_sha256(entry: dict, template: dict) -> str:
+    canonical = json.dumps({"input": {k: v for k, v in entry.items() if k != "id"}, "request": template},
+                           sort_keys=True, ensure_ascii=False)  # fmt: skip
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def finished(out: Path) -> set[tuple[str, str]]:
+    """(input id, request hash) of every complete line already in the output (a torn last line is not)."""
+    done = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                done.add((row["input_id"], row["request_sha256"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return done
+
+
+def read_inputs(path: Path, bad: list[str], on_bad=lambda: None) -> Iterator[tuple[int, dict]]:
+    """(line number, `inputs` entry) of each good line; the others are reported into `bad` (and on_bad
+    called)."""
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                bad.append(f"line {n}: not JSON ({e})")
+                on_bad()
+                continue
+            if not isinstance(item, dict) or ("text" in item) == ("messages" in item):
+                bad.append(f"line {n}: an object with text or messages")
+                on_bad()
+                continue
+            entry = {k: v for k, v in item.items() if k not in ("text", "id")}
+            if "text" in item:
+                entry["messages"] = [{"role": "user", "content": item["text"]}]
+            entry["id"] = str(item.get("id", n))
+            yield n, entry
+
+
+def run(source: Path, out: Path, template: dict, backend: Backend, batch: int = 64, progress=None) -> Summary:
+    """Score every content of `source` not already answered in `out` for this request (`template`: scoring,
+    packs, model), appending to `out`."""
+    summary, start = Summary(), time.perf_counter()
+    done = finished(out)
+    with out.open("a") as sink:
+        pending: list[tuple[int, dict, str]] = []
+        skipped = (lambda: progress.update(1)) if progress is not None else (lambda: None)
+        for n, entry in read_inputs(source, summary.bad, skipped):
+            digest = request_sha256(entry, template)
+            if (entry["id"], digest) in done:
+                summary.already_done += 1
+                skipped()
+                continue
+            pending.append((n, entry, digest))
+            if len(pending) == batch:
+                _score(pending, template, backend, sink, summary, progress)
+                pending = []
+        if pending:
+            _score(pending, template, backend, sink, summary, progress)
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _score(pending, template: dict, backend: Backend, sink, summary: Summary, progress) -> None:
+    """One batch: scored, written and flushed; an input the API refuses is reported and the rest retried."""
+    while pending:
+        body = {**template, "inputs": [entry for _, entry, _ in pending]}
+        try:
+            response = backend(body)
+        except Exception as e:  # noqa: BLE001 - ScoringError in process, ApiError from a server
+            which = _INPUT_PARAM.match(getattr(e, "param", None) or "")
+            if which is None:
+                raise
+            n, _, _ = pending.pop(int(which.group(1)))
+            summary.bad.append(f"line {n}: {getattr(e, 'code', 'error')}: {getattr(e, 'message', e)}")
+            if progress is not None:
+                progress.update(1)
+            continue
+        for (_, _, digest), result in zip(pending, response.results, strict=True):
+            row = msgspec.to_builtins(result) | {"request_sha256": digest}
+            sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+        sink.flush()
+        summary.scored += len(pending)
+        summary.prompt_tokens += response.usage.prompt_tokens
+        if progress is not None:
+            progress.update(len(pending))
+        return
+
+
+def in_process(scorer) -> Backend:
+    """A Backend over a spinf_jax.scoring.Scorer."""
+
+    def score(body: dict) -> api.ScoreResponse:
+        plan = scorer.plan(body)
+        return scorer.finish(plan, scorer.engine.score_trees(plan.trees))
+
+    return score
+
+
+def count_lines(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def report(summary: Summary) -> None:
+    for problem in summary.bad:
+        print(f"spinf-jax score: {problem}", file=sys.stderr)
+    print(summary.line(), file=sys.stderr)

@@ -135,7 +135,11 @@ def _template(scoring: dict | None, packs: list | None, model: str | None) -> di
 # ---------------------------------------------------------------------------------------------------------
 
 
-class Client:
+class _Base:
+    """What both clients share: their settings, and an httpx client of the class each uses."""
+
+    _http_class: type
+
     def __init__(
         self,
         base_url: str | None = None,
@@ -145,15 +149,19 @@ class Client:
         max_retries: int = 6,
         batch_inputs: int = 64,
         batch_bytes: int = MAX_BODY_BYTES - 64 * 1024,
-        transport: httpx.BaseTransport | None = None,
+        transport=None,  # an httpx transport (sync or async, as the client): for tests and proxies
     ):
         self.settings = _settings(base_url, api_key, timeout, max_retries, batch_inputs, batch_bytes)
-        self._http = httpx.Client(
+        self._http = self._http_class(
             base_url=self.settings.base_url,
             headers=self.settings.headers,
             timeout=timeout,
             transport=transport,
         )
+
+
+class Client(_Base):
+    _http_class = httpx.Client
 
     def close(self) -> None:
         self._http.close()
@@ -217,27 +225,10 @@ class Client:
         yield from response.results
 
 
-class AsyncClient:
+class AsyncClient(_Base):
     """Client's methods as coroutines, over httpx.AsyncClient."""
 
-    def __init__(
-        self,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        *,
-        timeout: float = 600.0,
-        max_retries: int = 6,
-        batch_inputs: int = 64,
-        batch_bytes: int = MAX_BODY_BYTES - 64 * 1024,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ):
-        self.settings = _settings(base_url, api_key, timeout, max_retries, batch_inputs, batch_bytes)
-        self._http = httpx.AsyncClient(
-            base_url=self.settings.base_url,
-            headers=self.settings.headers,
-            timeout=timeout,
-            transport=transport,
-        )
+    _http_class = httpx.AsyncClient
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -116,6 +116,12 @@ def _score(pending, template: dict, backend: Backend, sink, summary: Summary, pr
         try:
             response = backend(body)
         except Exception as e:  # noqa: BLE001 - ScoringError in process, ApiError from a server
+            if getattr(e, "code", None) == "too_many_tokens" and len(pending) > 1:
+                # The batch as a whole is over the request's token limit; each half may not be.
+                half = len(pending) // 2
+                _score(pending[:half], template, backend, sink, summary, progress)
+                _score(pending[half:], template, backend, sink, summary, progress)
+                return
             which = _INPUT_PARAM.match(getattr(e, "param", None) or "")
             if which is None:
                 raise

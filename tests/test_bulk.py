@@ -9,6 +9,7 @@ import pytest
 
 from spinf_jax import bulk, cli
 from spinf_jax.compiler import Limits
+from spinf_jax.errors import ScoringError
 from spinf_jax.scoring import Scorer
 from spinf_jax.server.app import Settings, create_app
 from tests.test_server import _serve
@@ -55,6 +56,22 @@ def test_in_process_skips_bad_lines_and_resumes(gemma_engine, tmp_path):
     # Another question is another request: everything is asked again.
     other = {"scoring": {"queries": [QUERY | {"options": [" yes", " no", " maybe"]}]}}
     assert bulk.run(source, out, other, bulk.in_process(scorer), batch=8).scored == 4
+
+
+def test_a_batch_over_the_request_token_limit_is_split(gemma_engine, tmp_path):
+    """A batch the request limit refuses as a whole is scored in halves, down to one content a request."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    texts = [f"Order {i}: please refund me, the parcel never came." for i in range(5)]
+    source.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(texts)))
+    one = Scorer(gemma_engine).plan({"messages": [{"content": texts[0]}], **TEMPLATE})
+    per_content = sum(len(tree) for tree in one.trees)
+    scorer = Scorer(gemma_engine, Limits(max_request_tokens=2 * per_content + 1))
+    with pytest.raises(ScoringError, match="split it"):  # the five as one request
+        scorer.score({"inputs": [{"messages": [{"content": t}]} for t in texts], **TEMPLATE})
+    summary = bulk.run(source, out, TEMPLATE, bulk.in_process(scorer), batch=5)
+    assert (summary.scored, summary.bad) == (5, [])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["input_id"] for r in rows] == ["0", "1", "2", "3", "4"]
 
 
 def test_the_command_through_a_server_with_a_pack(gemma_engine, tmp_path):

@@ -3,8 +3,6 @@ mock transport."""
 
 import asyncio
 import json
-import re
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -135,21 +133,3 @@ def test_batches_stay_under_the_body_limit():
     bodies = list(batches(contents, {"scoring": {"queries": [QUERY]}}, max_inputs=100, max_bytes=3500))
     assert [len(b["inputs"]) for b in bodies] == [3, 3, 3, 1]
     assert all(len(msgspec.json.encode(b)) <= 3500 for b in bodies)
-
-
-def test_the_docs_examples_run(url, capsys):
-    """docs/client.md's Python blocks, against the test server (its key instead of none)."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "client.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 2
-    for block in blocks:
-        code = block.replace("http://127.0.0.1:8000", url).replace("api_key=None", 'api_key="k-1"')
-        code = code.replace(f'AsyncClient("{url}")', f'AsyncClient("{url}", "k-1")')
-        scope: dict = {}
-        exec(compile(code, "client.md", "exec"), scope)
-        if "main" in scope:
-            asyncio.run(scope["main"]())
-    printed = capsys.readouterr().out.split()
-    # the sync block's p, then the async block's "input_id p" for its two contents
-    assert len(printed) == 5 and (printed[1], printed[3]) == ("0", "1")
-    assert all(0 < float(printed[i]) < 1 for i in (0, 2, 4))

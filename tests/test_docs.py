@@ -4,9 +4,10 @@ Each file's blocks run in order, in one temporary folder, against one test serve
 (Gemma 3 270M, fp32, the official packs loaded):
 - ```python blocks are executed in one namespace per file, with the server's URL for localhost:8000;
 - ```sh / ```bash blocks are read a command at a time: `curl` is sent with httpx and must answer 2xx,
-  `cat > FILE <<'EOF'` writes the file, `export K=V` sets the variable, `spinf-jax ...` runs in process
-  (`serve` with `--check`, which validates every flag and file without loading), and the few commands that
-  need a machine of their own (docker, installers) are listed in NOT_RUN. Any other command fails the test.
+  `cat > FILE <<'EOF'` writes the file, `mkdir -p DIR` makes the folder, `export K=V` sets the variable,
+  `spinf-jax ...` runs in process (`serve` with `--check`, which validates every flag and file without
+  loading), and the few commands that need a machine of their own (docker, installers) are listed in
+  NOT_RUN. Any other command fails the test.
 `Engine.load` of the two built-in models hands back the session's engines (fp32 whatever precision is asked),
 so an example that loads a model costs no second load.
 """
@@ -97,10 +98,14 @@ def run_command(command: str, url: str, setenv=None) -> None:
     if heredoc := HEREDOC.fullmatch(command):
         Path(heredoc.group(1)).write_text(heredoc.group(3))
         return
-    argv = shlex.split(command)
+    argv = shlex.split(command.replace("\\\n", ""))  # a shell drops a backslash-newline
     if argv[0] == "export":
         name, value = argv[1].split("=", 1)
         setenv(name, LOCAL.sub(url, value))
+    elif argv[0] == "mkdir":
+        for folder in argv[1:]:
+            if not folder.startswith("-"):
+                Path(folder).mkdir(parents=True, exist_ok=True)
     elif argv[0] == "curl":
         reply = curl(argv, url)
         assert reply.is_success, f"{command}\n→ {reply.status_code} {reply.text}"
@@ -167,3 +172,12 @@ export SPINF_API_KEY=k
     ]
     with pytest.raises(AssertionError, match="does not know how to run"):
         run_command("rm -rf /tmp/x", "http://127.0.0.1:1")
+
+
+def test_the_runner_joins_continued_lines_and_makes_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SPINF_API_KEY", raising=False)
+    run_command("mkdir -p out/plots", "http://127.0.0.1:1")
+    assert (tmp_path / "out" / "plots").is_dir()
+    # one command over two lines: serve --check must exit 0 with both flags read
+    run_command("spinf-jax serve --port 8001 \\\n    --max-queue 8", "http://127.0.0.1:1")

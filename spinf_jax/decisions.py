@@ -222,6 +222,12 @@ class DecisionPlan:
     decisions: list[Decision]
     trees: list[Tree]  # the decisions' orderings, in order, as branches
     shared: bool  # a /decide/shared request
+    inputs = 1  # the state: what the request log counts as a scoring request's contents
+
+    @property
+    def questions(self) -> int:
+        """Each decision in each of its orderings (as a scoring request's questions count them)."""
+        return sum(len(d.orderings) for d in self.decisions)
 
 
 class Decider:

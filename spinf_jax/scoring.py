@@ -49,6 +49,20 @@ class Plan:
     floors: dict[QuestionKey, np.ndarray]  # floors found in the cache
     pack_floors: list[str] = field(default_factory=list)  # for each pack floor tree, its pack
 
+    @property
+    def inputs(self) -> int:
+        return len(self.request.contents)
+
+    @property
+    def questions(self) -> int:
+        """The questions asked of every content: each query's combinations and orderings, and the packs'."""
+        return sum(
+            len(query.questions)
+            for c in self.request.contents
+            for _, queries in c.reads()
+            for query in queries
+        )
+
 
 class Scorer:
     def __init__(

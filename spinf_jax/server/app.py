@@ -3,6 +3,7 @@ on worker threads and scored by the engine thread (runner.Runner); handlers only
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -26,9 +27,10 @@ from spinf_jax.engine import Engine
 from spinf_jax.packer import Buckets, default_sizes
 from spinf_jax.packs.compiled import CompiledPack, compile_packs
 from spinf_jax.packs.loader import describe
+from spinf_jax.progress import PROGRESS, Progress, log
 from spinf_jax.scoring import Scorer
 from spinf_jax.server.auth import ApiKeys
-from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError, error_responses
+from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError, error_responses, request_id
 from spinf_jax.server.memory import check_fits
 from spinf_jax.server.metrics import DISCONNECTED, UNMATCHED, Metrics
 from spinf_jax.server.runner import QueueFull, Runner
@@ -43,6 +45,9 @@ SECURITY_SCHEMES = {
 }
 KEYED = [{"bearer": []}, {"x_api_key": []}, {}]
 BODY_TIMEOUT_S = 30.0  # from the first byte of the body to the last
+REQUESTS = logging.getLogger("spinf_jax.requests")
+# What a request's log line says of the work it asked for, beyond its status and time (Server.answer).
+SERVED = ("inputs", "questions", "tokens", "queue_ms", "pass_ms")
 
 
 @dataclass
@@ -67,23 +72,31 @@ class Server:
         threading.Thread(target=self._load, args=(engine,), name="spinf-load", daemon=True).start()
 
     def _load(self, engine: Engine | None) -> None:
+        s = self.settings
+        # Progress is an info line: serve's --log-level warning hides it with the others.
+        progress = Progress() if s.progress and PROGRESS.isEnabledFor(logging.INFO) else None
         try:
-            s = self.settings
             engine = engine or Engine.load(
-                s.model, s.precision, buckets=Buckets(s.buckets or default_sizes())
+                s.model, s.precision, progress, buckets=Buckets(s.buckets or default_sizes())
             )
+            start = time.perf_counter()
             engine.on_pass = self.metrics.on_pass
-            engine.warmup()
+            engine.warmup(progress)
             self.memory_needed = engine.device_bytes_needed()
             check_fits(self.memory_needed, s.device_memory_cap_gib)
             self.packs = compile_packs(s.packs, engine.model.tokenizer)
             self.scorer = Scorer(engine, packs=self.packs, calibration=s.calibration)
             self.decider = Decider(engine, calibration=s.calibration)
             self.runner = Runner(engine, s.max_queue, s.max_delay_ms / 1000)
+            # Logged before /health says so, so that whoever waits for one finds the other.
+            log(PROGRESS, "ready", model=engine.model.name, load_s=round(engine.model.load_seconds, 2),
+                compile_s=round(time.perf_counter() - start, 2))  # fmt: skip
             self.engine = engine
             self.ready_at = int(time.time())
         except Exception as exc:  # noqa: BLE001 - reported by /health and every request
-            self.failure = f"{type(exc).__name__}: {exc}"
+            failure = f"{type(exc).__name__}: {exc}"
+            log(PROGRESS, "failed", logging.ERROR, error=failure)
+            self.failure = failure
 
     def names(self) -> list[str]:
         return [self.engine.model.name, *self.settings.served_names] if self.engine else []
@@ -99,12 +112,23 @@ class Server:
             raise ApiError("model_not_found", f"model {model!r} is not served here; see /v1/models", "model")
 
     async def answer(self, request: Request, plan, finish):
-        """Queue a plan (made on a worker thread) for the engine thread and await its response."""
+        """Queue a plan (made on a worker thread) for the engine thread and await its response. What it asks,
+        how long it waited and how long its pass took go to the request's log line."""
+        served = request.scope["state"]["served"]
+        served.update(inputs=plan.inputs, questions=plan.questions)
         try:
-            future = self.runner.submit(plan, finish)
+            ticket = self.runner.submit(plan, finish)
         except QueueFull:
             raise _queue_full(self.runner) from None
-        return await _answer_unless_client_leaves(request, future)
+        served["tokens"] = ticket.tokens
+        try:
+            return await _answer_unless_client_leaves(request, ticket)
+        finally:
+            served.update(queue_ms=_ms(ticket.queue_s), pass_ms=_ms(ticket.pass_s))
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
 
 
 def _server(connection: ASGIConnection) -> Server:
@@ -197,9 +221,10 @@ async def _answer_unless_client_leaves(request: Request, future: Future) -> api.
     raise ClientGone
 
 
-# What the two scoring routes share: the key checked first, then the queue, then the body; every error
-# documented.
+# What the scoring routes share: the key checked first, then the queue, then the body; every error
+# documented; a log line for every request.
 SCORING_ROUTE = {
+    "opt": {"logged": True},
     "status_code": 200,
     "guards": [_authorize, _queue_has_room],
     "security": KEYED,
@@ -346,10 +371,11 @@ def metrics(request: Request) -> Response[bytes]:
     return Response(body, media_type=content_type)
 
 
-def _count_requests(app: ASGIApp, metrics: Metrics) -> ASGIApp:
-    """ASGI middleware: count and time every HTTP request by route template and status, errors included. A
-    client that hangs up before the answer (its `receive` gave http.disconnect) counts as DISCONNECTED, not as
-    the 500 Litestar answers a body cut short with."""
+def _observe_requests(app: ASGIApp, metrics: Metrics) -> ASGIApp:
+    """ASGI middleware: count and time every HTTP request by route template and status, errors included; give
+    every response its x-request-id; log a line (spinf_jax.requests) for each request to a scoring route and
+    each error answered in the envelope. A client that hangs up before the answer (its `receive` gave
+    http.disconnect) counts as DISCONNECTED, not as the 500 Litestar answers a body cut short with."""
 
     async def middleware(scope, receive, send):
         if scope["type"] != "http":
@@ -357,6 +383,8 @@ def _count_requests(app: ASGIApp, metrics: Metrics) -> ASGIApp:
         start = time.perf_counter()
         status = 500  # what the ASGI server answers if the app raises before it starts a response
         disconnected = False
+        rid = request_id(scope)
+        served = scope["state"]["served"] = dict.fromkeys(SERVED)
 
         async def watch_for_disconnect():
             nonlocal disconnected
@@ -368,13 +396,26 @@ def _count_requests(app: ASGIApp, metrics: Metrics) -> ASGIApp:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())],
+                }
             await send(message)
 
         try:
             await app(scope, watch_for_disconnect, record_status)
         finally:
+            seconds = time.perf_counter() - start
+            outcome = DISCONNECTED if disconnected else str(status)
             path = scope.get("path_template", UNMATCHED)  # set by the router once a route matched
-            metrics.request(path, DISCONNECTED if disconnected else str(status), time.perf_counter() - start)
+            metrics.request(path, outcome, seconds)
+            code, handler = scope["state"].get("error_code"), scope.get("route_handler")
+            if code or (handler is not None and handler.opt.get("logged")):
+                # A client that hung up was answered nothing: its line says 499, without what nobody got.
+                level = logging.ERROR if outcome == "500" else logging.INFO
+                log(REQUESTS, "request", level, request_id=rid, method=scope["method"], path=scope["path"],
+                    status=int(outcome), error=None if disconnected else code, **served,
+                    total_ms=_ms(seconds))  # fmt: skip
 
     return middleware
 
@@ -401,5 +442,5 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
     app.state.api_keys = ApiKeys(settings.api_keys)
     # Litestar's middleware runs after routing and would miss 404s and 405s: wrap the whole handler instead,
     # as Litestar does itself for OpenTelemetry.
-    app.asgi_handler = _count_requests(app.asgi_handler, server.metrics)
+    app.asgi_handler = _observe_requests(app.asgi_handler, server.metrics)
     return app

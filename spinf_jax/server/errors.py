@@ -1,4 +1,6 @@
-"""Every failure answers in the API's envelope: {"error": {type, code, message, param}, "request_id"}."""
+"""Every failure answers in the API's envelope: {"error": {type, code, message, param}, "request_id"}. The
+id is the request's x-request-id header and its log line's (server/app.py), and the code is noted for that
+line too."""
 
 import uuid
 
@@ -30,8 +32,9 @@ class ApiError(ScoringError):
         self.retry_after = retry_after
 
 
-def request_id(request: Request) -> str:
-    state = request.scope.setdefault("state", {})
+def request_id(scope) -> str:
+    """The id of an HTTP request (its ASGI scope), made on first use."""
+    state = scope.setdefault("state", {})
     if "request_id" not in state:
         state["request_id"] = f"req_{uuid.uuid4().hex}"
     return state["request_id"]
@@ -40,7 +43,8 @@ def request_id(request: Request) -> str:
 def envelope(
     request: Request, status: int, code: str, message: str, param=None, retry_after=None
 ) -> Response[api.ErrorEnvelope]:
-    headers = {"x-request-id": request_id(request)}
+    request.scope.setdefault("state", {})["error_code"] = code
+    headers = {}
     if retry_after is not None:
         headers["retry-after"] = str(retry_after)
     if status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
@@ -48,7 +52,9 @@ def envelope(
 
     error = api.ErrorDetail(type=_TYPES.get(status, "server_error"), code=code, message=message, param=param)
     return Response(
-        api.ErrorEnvelope(error=error, request_id=request_id(request)), status_code=status, headers=headers
+        api.ErrorEnvelope(error=error, request_id=request_id(request.scope)),
+        status_code=status,
+        headers=headers,
     )
 
 

@@ -1,8 +1,13 @@
-"""How uvicorn serves the app: its HTTP/1.1 protocol with a deadline on request headers, and the timeouts
-that keep slow or idle clients from holding connections."""
+"""How uvicorn serves the app: its HTTP/1.1 protocol with a deadline on request headers, the timeouts that
+keep slow or idle clients from holding connections, and the logs."""
+
+import copy
 
 import uvicorn
+from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from spinf_jax.progress import formatter
 
 # From a connection's start, or the end of its previous response, to the end of a request's headers.
 HEADER_TIMEOUT_S = 10.0
@@ -35,12 +40,34 @@ class HeaderTimeoutProtocol(H11Protocol):
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's own log keeps its errors; its access log is off, as the app logs each request itself, with
+    more (server/app.py)."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
+        log_config=_log_config(log_level),
+        access_log=False,
         http=HeaderTimeoutProtocol,
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+
+
+def _log_config(log_level: str) -> dict:
+    """uvicorn's logging, and spinf_jax's loggers (requests, loading and compiling) on stderr at the same
+    level, as spinf_jax.progress formats them for that stream."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["formatters"]["spinf_jax"] = {"()": formatter, "stream": "ext://sys.stderr"}
+    config["handlers"]["spinf_jax"] = {
+        "formatter": "spinf_jax",
+        "class": "logging.StreamHandler",
+        "stream": "ext://sys.stderr",
+    }
+    config["loggers"]["spinf_jax"] = {
+        "handlers": ["spinf_jax"],
+        "level": LOG_LEVELS[log_level],
+        "propagate": False,
+    }
+    return config

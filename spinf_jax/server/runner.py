@@ -3,7 +3,8 @@ waits for company at most `max_delay` seconds, or until the pending trees fill t
 not depend on what shares a pass (see packer), so batching never changes an answer.
 
 It also knows how long the queue will take (tokens waiting over the tokens per second it measured), which is
-what a full queue tells clients to wait (Retry-After), and it drops the requests whose clients left."""
+what a full queue tells clients to wait (Retry-After), and it drops the requests whose clients left. Each
+request's future tells how long it waited for its pass and how long that pass took (the request log line)."""
 
 import math
 import queue
@@ -24,6 +25,19 @@ class QueueFull(Exception):
     pass
 
 
+class Ticket(Future):
+    """A plan's future, and what the request log says of it: the tokens of its trees, and once its pass has
+    run (None before, or if it never ran), the seconds it waited in the queue and those of the pass it
+    shared. They are set before the result, so they can be read as soon as it is there."""
+
+    def __init__(self, tokens: int):
+        super().__init__()
+        self.tokens = tokens
+        self.submitted = time.perf_counter()
+        self.queue_s: float | None = None
+        self.pass_s: float | None = None
+
+
 def _tokens(plan) -> int:
     return sum(len(t) for t in plan.trees)
 
@@ -33,7 +47,7 @@ class Runner:
         self.engine = engine
         self.max_queue = max_queue
         self.max_delay = max_delay
-        self._queue: queue.Queue[tuple[Any, Finish, Future] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Any, Finish, Ticket] | None] = queue.Queue()
         self._pending = 0  # requests queued, not yet gathered into a pass
         self._tokens_left = 0  # tokens of every request accepted and not yet answered
         self._tokens_per_second: float | None = None  # measured over recent passes
@@ -57,7 +71,7 @@ class Runner:
             tokens, rate = self._tokens_left, self._tokens_per_second
         return max(1, math.ceil(tokens / rate)) if rate else 1
 
-    def submit(self, plan, finish: Finish) -> Future:
+    def submit(self, plan, finish: Finish) -> Ticket:
         """Queue a plan; its future gets finish(plan, its trees' results). Cancel the future to drop the plan
         (a client that left): the runner skips it unless its pass has started."""
         with self._lock:
@@ -66,10 +80,10 @@ class Runner:
             if self._pending >= self.max_queue:
                 raise QueueFull
             self._pending += 1
-            self._tokens_left += _tokens(plan)
-        future: Future = Future()
-        self._queue.put((plan, finish, future))
-        return future
+            ticket = Ticket(_tokens(plan))
+            self._tokens_left += ticket.tokens
+        self._queue.put((plan, finish, ticket))
+        return ticket
 
     def close(self) -> None:
         """Stop after the queued work: what was accepted is answered (or fails with shutting_down if the
@@ -86,7 +100,7 @@ class Runner:
             if item is not None:
                 item[2].set_exception(ScoringError("shutting_down", "the server is stopping; retry shortly"))
 
-    def _gather(self, first: tuple) -> list[tuple[Any, Finish, Future]]:
+    def _gather(self, first: tuple) -> list[tuple[Any, Finish, Ticket]]:
         batch, tokens = [first], _tokens(first[0])
         deadline = time.monotonic() + self.max_delay
         while tokens < self.engine.buckets.largest:
@@ -108,30 +122,32 @@ class Runner:
             live = [item for item in batch if item[2].set_running_or_notify_cancel()]
             with self._lock:
                 self._pending -= len(batch)
-                self._tokens_left -= sum(_tokens(plan) for plan, _, future in batch if future.cancelled())
+                self._tokens_left -= sum(ticket.tokens for _, _, ticket in batch if ticket.cancelled())
             if live:
                 self._score(live)
 
-    def _score(self, batch: list[tuple[Any, Finish, Future]]) -> None:
+    def _score(self, batch: list[tuple[Any, Finish, Ticket]]) -> None:
         trees = [tree for plan, _, _ in batch for tree in plan.trees]
-        tokens = sum(len(t) for t in trees)
         start = time.perf_counter()
+        failure = None
         try:
             scored = self.engine.score_trees(trees)
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
-            for _, _, future in batch:
-                future.set_exception(exc)
-            return
-        finally:
-            self._measured(tokens, time.perf_counter() - start)
-        start = 0
-        for plan, finish, future in batch:
-            mine = scored[start : start + len(plan.trees)]
-            start += len(plan.trees)
+            failure = exc
+        seconds = time.perf_counter() - start
+        self._measured(sum(len(t) for t in trees), seconds)
+        offset = 0
+        for plan, finish, ticket in batch:
+            ticket.queue_s, ticket.pass_s = start - ticket.submitted, seconds
+            if failure is not None:
+                ticket.set_exception(failure)
+                continue
+            mine = scored[offset : offset + len(plan.trees)]
+            offset += len(plan.trees)
             try:
-                future.set_result(finish(plan, mine))
+                ticket.set_result(finish(plan, mine))
             except Exception as exc:  # noqa: BLE001
-                future.set_exception(exc)
+                ticket.set_exception(exc)
 
     def _measured(self, tokens: int, seconds: float) -> None:
         with self._lock:

@@ -41,6 +41,8 @@ class Settings:
     packs: dict[str, LoadedPack] | None = field(default=None, compare=False, repr=False)
     # Per-workload temperatures for decisions (spinf_jax.calibration), read and checked; None: no workloads.
     calibration: Calibration | None = field(default=None, compare=False, repr=False)
+    # Report loading and compiling (spinf_jax.progress): `serve` does; tests and notebooks stay quiet.
+    progress: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         max_delay_ms=max_delay_ms,
         served_names=tuple(args.served_model_name),
         device_memory_cap_gib=cap_gib,
+        progress=True,
     )
     return Launch(settings, args.host, port, args.log_level.lower(), cache)
 

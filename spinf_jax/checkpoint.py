@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import gguf
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -40,7 +41,21 @@ class SafetensorsFolder:
         if file is None:
             raise KeyError(f"tensor {name!r} not found in {self.folder}")
         with safe_open(self.folder / file, "numpy") as f:
+            if f.get_slice(name).get_dtype() == "F8_E4M3":
+                return _read_float8(self.folder / file, name)
             return f.get_tensor(name)
+
+
+def _read_float8(path: Path, name: str) -> np.ndarray:
+    """One float8_e4m3fn tensor, memory-mapped. safetensors' numpy reader cannot hand these out (it looks for
+    `numpy.float8_e4m3fn`, which lives in ml_dtypes), so we read the format directly: an 8-byte little-endian
+    header size, the JSON header with each tensor's byte range, then the data."""
+    with path.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(size))[name]
+    start, end = info["data_offsets"]
+    data = np.memmap(path, np.uint8, mode="r", offset=8 + size + start, shape=(end - start,))
+    return data.view(ml_dtypes.float8_e4m3fn).reshape(info["shape"])
 
 
 # Hugging Face tensor names → GGUF names (llama.cpp's convention). Gemma 3 has four norms per layer where

@@ -264,6 +264,36 @@ def _score(args) -> int:
     return 0
 
 
+def _quantize(args) -> int:
+    """`spinf-jax quantize MODEL --precision fp8|int8 --out DIR`: a checkpoint in the engine's stored form,
+    with its model card and parity report (spinf_jax.export)."""
+    import shlex
+
+    from spinf_jax import export
+
+    command = ["spinf-jax", "quantize", args.model, "--precision", args.precision, "--out", args.out]
+    if args.shard_gb != export.SHARD_BYTES / 1e9:
+        command += ["--shard-gb", f"{args.shard_gb:g}"]
+    command += ["--no-parity"] if args.no_parity else []
+    try:
+        report = export.quantize(
+            args.model,
+            args.precision,
+            Path(args.out),
+            shard_bytes=int(args.shard_gb * 1e9),
+            measure=not args.no_parity,
+            command=shlex.join(command),
+        )
+    except (FileExistsError, ValueError) as e:
+        print(f"spinf-jax quantize: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {report['weights_bytes']:,} bytes of weights")
+    if args.no_parity:
+        return 0
+    print((Path(args.out) / "parity.md").read_text())
+    return 0 if report["written_vs_quantized_at_load"]["bit_identical"] else 1
+
+
 def _pack_sources(parser) -> None:
     """The flags that say which packs load: `serve`'s and the `packs` commands'."""
     parser.add_argument(
@@ -388,6 +418,24 @@ def main(argv: list[str] | None = None) -> int:
         help="questions: the precision each option's threshold must reach",
     )
     p.set_defaults(run=_calibration)
+
+    p = sub.add_parser(
+        "quantize",
+        help="write a checkpoint in the engine's fp8 or int8 stored form, with its model card and parity "
+        "report (docs/quantize.md)",
+        description="Writes the weights exactly as the engine keeps them at that precision (loading the "
+        "folder quantizes nothing and gives the same scores), config.json with its quantization_config, the "
+        "tokenizer, README.md (the model card), and parity.json / parity.md: the folder's scores against "
+        "quantizing at load (bit-identical, else exit status 1) and against the source at fp32.",
+    )
+    p.add_argument("model", help="built-in name, folder, .gguf file or Hub id")
+    p.add_argument("--precision", required=True, choices=["fp8", "int8"])
+    p.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    p.add_argument("--shard-gb", type=float, default=2.0, help="largest weights file, in GB (10^9 bytes)")
+    p.add_argument(
+        "--no-parity", action="store_true", help="skip the parity report (it loads the model 3 times)"
+    )
+    p.set_defaults(run=_quantize)
 
     p = sub.add_parser(
         "packs", help="prompt packs: list, show, validate, schema, calibrate (docs/prompt-packs.md)"

@@ -39,6 +39,7 @@ from spinf_jax.models.decoder import split
 from spinf_jax.models.layers import DecodeBatch, TreeBatch, by_rows
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
 from spinf_jax.packs.compiled import compile_packs
+from spinf_jax.progress import Progress, Steps
 from spinf_jax.scoring import Scorer
 
 ENGINE_VERSION = "4"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
@@ -234,14 +235,19 @@ class Engine:
         self._decider: Decider | None = None  # decide()'s
 
     @classmethod
-    def load(cls, spec: str = DEFAULT_MODEL, precision: str = "bf16", **kwargs) -> "Engine":
-        return cls(load_model(spec, precision), **kwargs)
+    def load(
+        cls, spec: str = DEFAULT_MODEL, precision: str = "bf16", progress: Progress | None = None, **kwargs
+    ) -> "Engine":
+        return cls(load_model(spec, precision, progress), **kwargs)
 
-    def warmup(self) -> None:
+    def warmup(self, progress: Progress | None = None) -> None:
         """Compile every bucket's program now and run it once (the server does this before it reports
-        ready)."""
-        for size in self.buckets.sizes:
-            self._run_pass(self._empty_pass(size))
+        ready); each program is a step of "compile" (progress), with its bucket size and seconds."""
+        with Steps(progress, "compile", len(self.buckets.sizes), "program") as step:
+            for size in self.buckets.sizes:
+                start = time.perf_counter()
+                self._run_pass(self._empty_pass(size))
+                step(bucket=size, seconds=round(time.perf_counter() - start, 2))
 
     def program(self, size: int) -> jax.stages.Compiled:
         """One bucket's compiled program, compiled on first use (warmup compiles them all)."""

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -18,8 +19,10 @@ from spinf_jax.checkpoint import GGUFFile, SafetensorsFolder
 from spinf_jax.models import abstract_decoder
 from spinf_jax.models.decoder import Decoder, hidden_states, split
 from spinf_jax.models.layers import TreeBatch
-from spinf_jax.models.params import params, stored_as
-from spinf_jax.quant import Precision, quantize
+from spinf_jax.models.params import Kind, params, stored_as
+from spinf_jax.progress import Progress, Steps
+from spinf_jax.quant import Precision, QuantArray, Weight, quantize
+from spinf_jax.quantized import SCALE_SUFFIX, written_precision
 from spinf_jax.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "spinf/gemma-3-270m"
@@ -77,20 +80,55 @@ def _to_final(w: jax.Array, precision: Precision):
     return quantize(w, precision)
 
 
-def _fill(param: nnx.Param, w: jax.Array, precision: Precision) -> None:
+def _final(w: jax.Array, kind: Kind, precision: Precision) -> Weight:
     # Wait for each tensor: else reads run ahead of the device and full-precision copies pile up there.
-    param.set_value(jax.block_until_ready(_to_final(w, stored_as(param.kind, precision))))
+    return jax.block_until_ready(_to_final(w, stored_as(kind, precision)))
 
 
-def load_weights(decoder: Decoder, checkpoint) -> None:
-    """Fill an abstract decoder's Params in place: one tensor read, moved to the device and cast/quantized at
-    a time, so host memory holds one tensor, not the model."""
+def _as_written(param: nnx.Param, w, checkpoint) -> Weight:
+    """A tensor of a checkpoint in the stored form (spinf_jax.quantized), put on the device as it is: it must
+    already have the dtype and shape the engine keeps it in."""
+    expected = param.get_value()
+    quantized = isinstance(expected, QuantArray)
+    value = QuantArray(w, checkpoint.get(param.source + SCALE_SUFFIX)) if quantized else w
+    for got, want in zip(jax.tree.leaves(value), jax.tree.leaves(expected), strict=True):
+        if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+            raise ValueError(
+                f"{param.source}: stored as {got.dtype}{list(got.shape)}, the engine keeps it as "
+                f"{want.dtype}{list(want.shape)}"
+            )
+    return jax.block_until_ready(jax.tree.map(jnp.asarray, value))
+
+
+def stored_weights(decoder: Decoder, checkpoint) -> Iterator[tuple[nnx.Param, Weight]]:
+    """An abstract decoder's Params, each with its value in its final form on the device: one tensor read,
+    moved to the device and cast/quantized at a time, so host memory holds one tensor, not the model. What
+    load_weights puts in place and `spinf-jax quantize` writes (one code path, so the two give the same
+    bits). A checkpoint already in the stored form is put in place as it is, at the precision it was written
+    for only."""
+    written = written_precision(checkpoint.config)
+    if written not in (None, decoder.precision):
+        raise ValueError(
+            f"the checkpoint was written for {written.value} by `spinf-jax quantize`: load it with precision "
+            f"{written.value!r} (it holds no full-precision weights to make {decoder.precision.value} from)"
+        )
     for param in params(decoder):
         w = checkpoint.get(param.source)
         expected = tuple(param.get_value().shape)
         if tuple(w.shape) != expected:
             raise ValueError(f"{param.source}: checkpoint shape {tuple(w.shape)} != expected {expected}")
-        _fill(param, jnp.asarray(w), decoder.precision)
+        if written is None:
+            yield param, _final(jnp.asarray(w), param.kind, decoder.precision)
+        else:
+            yield param, _as_written(param, w, checkpoint)
+
+
+def load_weights(decoder: Decoder, checkpoint, progress: Progress | None = None) -> None:
+    """Fill an abstract decoder's Params in place (stored_weights), each a step of "load" (progress)."""
+    with Steps(progress, "load", len(params(decoder)), "tensor") as step:
+        for param, value in stored_weights(decoder, checkpoint):
+            param.set_value(value)
+            step()
 
 
 _DIGESTS = Path(os.environ.get("SPINF_CACHE", Path.home() / ".cache" / "spinf-jax")) / "digests.json"
@@ -131,7 +169,9 @@ def random_weights(decoder: Decoder, key: jax.Array, std: float = 0.02) -> None:
     depend on values)."""
     for param, k in zip(params(decoder), jax.random.split(key, len(params(decoder))), strict=True):
         shape = param.get_value().shape
-        _fill(param, jax.random.normal(k, shape, jnp.bfloat16) * std, decoder.precision)
+        param.set_value(
+            _final(jax.random.normal(k, shape, jnp.bfloat16) * std, param.kind, decoder.precision)
+        )
 
 
 def default_row_tile() -> int:
@@ -149,7 +189,7 @@ class Model:
     digest: str = ""  # checkpoint_digest of what was loaded
     load_seconds: float = 0.0
     # Row-local work in tiles of this many rows (see models.layers.by_rows); None runs each pass's rows at
-    # once, which is row-invariant on no backend we measured (docs/engine.md).
+    # once, which is row-invariant on no backend we measured (docs/batch-invariance.md).
     row_tile: int | None = field(default_factory=default_row_tile)
     _jitted: dict = field(default_factory=dict, repr=False)
 
@@ -200,12 +240,14 @@ class Model:
         return self._apply("logprobs", logprobs, hidden, targets)
 
 
-def load_model(spec: str = DEFAULT_MODEL, precision: Precision | str = Precision.BF16) -> Model:
+def load_model(
+    spec: str = DEFAULT_MODEL, precision: Precision | str = Precision.BF16, progress: Progress | None = None
+) -> Model:
     start = time.perf_counter()
     path = resolve(spec)
     checkpoint = open_checkpoint(path)
     decoder = abstract_decoder(checkpoint.config, precision)
-    load_weights(decoder, checkpoint)
+    load_weights(decoder, checkpoint, progress)
     if isinstance(checkpoint, GGUFFile):
         tokenizer = Tokenizer.from_gguf(checkpoint)
     elif (checkpoint.folder / "tokenizer.json").exists():

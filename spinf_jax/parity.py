@@ -13,11 +13,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from spinf_jax.engine import Engine
 from spinf_jax.layout import Extract, QuestionKey, build_tree
 from spinf_jax.loader import Model, load_model
+from spinf_jax.models.layers import TreeBatch
 from spinf_jax.packer import Buckets, default_sizes, read_trees
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,6 +89,53 @@ def score_reference(engine: Engine, prompts: list[dict]) -> tuple[np.ndarray, np
     return np.asarray(logprobs, np.float32), np.concatenate([s.top_tokens for s in scored])
 
 
+def reference_engine(model: Model) -> Engine:
+    """The engine parity scores with: the largest of the buckets the server runs on this backend (every bucket
+    gives the same bits, the invariance tests; and one program compiles faster than several)."""
+    return Engine(model, Buckets(default_sizes()[-1:]))
+
+
+def drift(ours: np.ndarray, argmax: np.ndarray, prompts: list[dict]) -> tuple[int, float, float, float]:
+    """Our scores (score_reference's) against a reference's: (values compared, max |Δ|, mean |Δ|, share of
+    positions where our argmax is the reference's top-1)."""
+    # The same layout as score_reference: per position, [next token (or top-1 at the end), top-5...].
+    recorded, ref_top1 = [], []
+    for p in prompts:
+        n = len(p["token_ids"])
+        for t in range(n):
+            nxt = [p["logprobs"][t]] if t + 1 < n else [p["top_logprobs"][t][0]]
+            recorded.append(nxt + list(p["top_logprobs"][t]))
+            ref_top1.append(p["top_ids"][t][0])
+    diff = np.abs(ours.astype(np.float64) - np.asarray(recorded, np.float64))
+    return (
+        int(diff.size),
+        float(diff.max()),
+        float(diff.mean()),
+        float(np.mean(argmax == np.asarray(ref_top1))),
+    )
+
+
+def own_reference(model: Model, token_ids: list[list[int]], texts: list[str | None], k: int = 5) -> dict:
+    """A reference in fixtures/record_references.py's format recorded from one of our own models (the fp32
+    load of a checkpoint), to measure other precisions of that checkpoint against. Which tokens it holds at
+    each position (the k most likely) comes from a plain forward; every value comes from the engine's
+    bucketed pass, as the compared scores do."""
+    prompts = []
+    for ids, text in zip(token_ids, texts, strict=True):
+        batch = TreeBatch.sequence(ids)
+        logits = model.logits(model.hidden(batch))[: len(ids)]  # all rows: one program for every prompt
+        top = np.asarray(jax.lax.top_k(logits, k)[1]).tolist()
+        prompts.append({"text": text, "token_ids": list(ids), "top_ids": top})
+    values, _ = score_reference(reference_engine(model), prompts)
+    start = 0
+    for p in prompts:
+        rows = values[start : start + len(p["token_ids"])]
+        start += len(p["token_ids"])
+        p["logprobs"] = rows[:-1, 0].tolist()  # the next token's, at every position but the last
+        p["top_logprobs"] = rows[:, 1:].tolist()
+    return {"name": f"{model.name} [{model.precision.value}]", "prompts": prompts}
+
+
 def compare(
     model: Model,
     ref: dict,
@@ -106,9 +155,7 @@ def compare(
             for p in prompts
             if p.get("text") is not None
         )
-    # The largest of the buckets the server runs on this backend: every bucket gives the same bits (the
-    # invariance tests), and one program compiles faster than several.
-    engine = Engine(model, Buckets(default_sizes()[-1:]))
+    engine = reference_engine(model)
     ours, argmax = score_reference(engine, prompts)
     bit_identical = None
     if passes > 1:
@@ -116,24 +163,14 @@ def compare(
             np.array_equal(ours, again) and np.array_equal(argmax, top)
             for again, top in (score_reference(engine, prompts) for _ in range(passes - 1))
         )
-    # The same layout as score_reference: per position, [next token (or top-1 at the end), top-5...].
-    recorded, ref_top1, has_next = [], [], []
-    for p in prompts:
-        n = len(p["token_ids"])
-        for t in range(n):
-            nxt = [p["logprobs"][t]] if t + 1 < n else [p["top_logprobs"][t][0]]
-            recorded.append(nxt + list(p["top_logprobs"][t]))
-            ref_top1.append(p["top_ids"][t][0])
-            has_next.append(t + 1 < n)
-    recorded = np.asarray(recorded, np.float64)
-    diff = np.abs(ours.astype(np.float64) - recorded)
+    compared, max_abs, mean_abs, top1 = drift(ours, argmax, prompts)
     return ParityResult(
         name=name,
         precision=model.precision.value,
-        compared=int(diff.size),
-        max_abs=float(diff.max()),
-        mean_abs=float(diff.mean()),
-        top1_agreement=float(np.mean(argmax == np.asarray(ref_top1))),
+        compared=compared,
+        max_abs=max_abs,
+        mean_abs=mean_abs,
+        top1_agreement=top1,
         tolerance=tolerance,
         mean_tolerance=mean_tolerance,
         min_top1=min_top1,

@@ -68,6 +68,24 @@ class Tokenizer:
             eos_token=token(self.eos_id) if self.eos_id is not None else "",
         )
 
+    def save(self, folder: Path) -> None:
+        """tokenizer.json and tokenizer_config.json: the files `from_folder` reads back into this tokenizer
+        (how `spinf-jax quantize` gives a checkpoint made from a GGUF file its tokenizer)."""
+        folder = Path(folder)
+        self.backend.save(str(folder / "tokenizer.json"))
+        token = self.backend.id_to_token
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": token(self.bos_id) if self.bos_id is not None else None,
+            "eos_token": token(self.eos_id) if self.eos_id is not None else None,
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        }
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps({k: v for k, v in config.items() if v is not None}, indent=2, ensure_ascii=False)
+            + "\n"
+        )
+
     @staticmethod
     def from_folder(folder: Path) -> "Tokenizer":
         folder = Path(folder)

@@ -306,6 +306,9 @@ def _pack_sources(parser) -> None:
     parser.add_argument("--no-official-packs", action="store_true", help="skip the project's own packs")
 
 
+PRECISION_DEFAULT = "default: what a `spinf-jax quantize` folder was written for, else bf16"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spinf-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -334,7 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", default="8000")
-    p.add_argument("--precision", default="bf16", metavar="{bf16,fp8,int8,fp32}")
+    p.add_argument(
+        "--precision",
+        metavar="{bf16,fp8,int8,fp32}",
+        help=PRECISION_DEFAULT,
+    )
     p.add_argument(
         "--api-key",
         action="append",
@@ -390,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model", help="in process: the model to load (default Gemma 3 270M); with --url: its name"
     )
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp8", "int8"])
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp8", "int8"], help=PRECISION_DEFAULT)
     p.add_argument("--batch", type=int, default=64, help="contents per request (and per flush)")
     _pack_sources(p)
     p.set_defaults(run=_score)
@@ -409,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="default", help="the workload of rows that name none")
     p.add_argument("--orderings", choices=["rotations", "all"], help="score decisions over these orderings")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp8", "int8"])
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp8", "int8"], help=PRECISION_DEFAULT)
     p.add_argument("--bootstrap", type=int, default=1000, help="draws for the 95%% intervals")
     p.add_argument(
         "--target-precision",

@@ -236,8 +236,13 @@ class Engine:
 
     @classmethod
     def load(
-        cls, spec: str = DEFAULT_MODEL, precision: str = "bf16", progress: Progress | None = None, **kwargs
+        cls,
+        spec: str = DEFAULT_MODEL,
+        precision: str | None = None,
+        progress: Progress | None = None,
+        **kwargs,
     ) -> "Engine":
+        """precision None: the one a `spinf-jax quantize` folder was written for, else bf16."""
         return cls(load_model(spec, precision, progress), **kwargs)
 
     def warmup(self, progress: Progress | None = None) -> None:

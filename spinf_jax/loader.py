@@ -241,11 +241,13 @@ class Model:
 
 
 def load_model(
-    spec: str = DEFAULT_MODEL, precision: Precision | str = Precision.BF16, progress: Progress | None = None
+    spec: str = DEFAULT_MODEL, precision: Precision | str | None = None, progress: Progress | None = None
 ) -> Model:
+    """precision None: the one a `spinf-jax quantize` folder was written for, else bf16."""
     start = time.perf_counter()
     path = resolve(spec)
     checkpoint = open_checkpoint(path)
+    precision = precision or written_precision(checkpoint.config) or Precision.BF16
     decoder = abstract_decoder(checkpoint.config, precision)
     load_weights(decoder, checkpoint, progress)
     if isinstance(checkpoint, GGUFFile):

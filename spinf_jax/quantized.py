@@ -13,6 +13,9 @@ config.json says so in `quantization_config`. Its keys follow compressed-tensors
 else has been checked to read these files, and the scale is [out], not compressed-tensors' [out, 1].
 """
 
+import json
+from pathlib import Path
+
 from spinf_jax.models.params import Kind, params, stored_as
 from spinf_jax.quant import Precision
 
@@ -55,6 +58,13 @@ def quantization_config(decoder) -> dict:
         ],  # the embedding tables (and LM head): bf16, see params.stored_as
         "calibration": None,
     }
+
+
+def folder_precision(spec: str) -> Precision | None:
+    """written_precision of a local checkpoint folder, None for anything else (read before loading: serve's
+    default precision)."""
+    config = Path(spec).expanduser() / "config.json"
+    return written_precision(json.loads(config.read_text())) if config.is_file() else None
 
 
 def written_precision(config: dict) -> Precision | None:

@@ -17,7 +17,7 @@ from spinf_jax.layout import build_tree
 from spinf_jax.loader import checkpoint_digest, load_model, open_checkpoint, resolve
 from spinf_jax.models.params import params
 from spinf_jax.packer import Buckets
-from spinf_jax.quant import QuantArray
+from spinf_jax.quant import Precision, QuantArray
 from spinf_jax.tokenizer import Tokenizer
 from tests.trees import POOL
 
@@ -72,6 +72,16 @@ def test_loading_at_another_precision_is_an_error(tmp_path):
     for other in ("int8", "bf16"):
         with pytest.raises(ValueError, match="written for fp8 .* precision 'fp8'"):
             load_model(str(out), other)
+
+
+def test_without_a_precision_a_folder_loads_at_the_one_it_was_written_for(tmp_path, capsys):
+    out = _write("gemma3", "fp8", tmp_path / "q")
+    assert load_model(str(out)).precision is Precision.FP8
+    assert load_model(str(TINY / "gemma3")).precision is Precision.BF16
+    # serve reads it before loading (its --check loads nothing); a --precision given still counts
+    for flags, precision in (([], "fp8"), (["--precision", "int8"], "int8")):
+        assert main(["serve", str(out), "--check", "--compile-cache", "none", *flags]) == 0
+        assert f"({precision})" in capsys.readouterr().out
 
 
 def test_other_quantized_checkpoints_are_refused(tmp_path):

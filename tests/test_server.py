@@ -258,7 +258,9 @@ def test_errors_in_the_envelope(url):
     )
     _error(httpx.get(f"{url}/v1/nothing"), 404, "not_found")
     _error(httpx.get(f"{url}/v1/score"), 405, "method_not_allowed")
-    assert httpx.get(f"{url}/health").json()["ready"] is True
+    health = httpx.get(f"{url}/health").json()
+    assert health["ready"] is True
+    assert health["precision"] == "fp32"  # the engine's, not the settings' default (bf16)
 
 
 def test_body_over_the_limit_is_refused_while_reading(url):

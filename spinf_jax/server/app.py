@@ -339,7 +339,7 @@ async def health(request: Request) -> Response[api.Health]:
         ready=engine is not None,
         model=server.settings.model,
         served_names=server.names(),
-        precision=server.settings.precision,
+        precision=engine.model.precision.value if engine else server.settings.precision,
         versions=api.Versions(
             spinf_jax=version("spinf-jax"), jax=jax.__version__, backend=jax.default_backend()
         ),

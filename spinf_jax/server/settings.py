@@ -18,6 +18,8 @@ from spinf_jax.loader import BUILTIN_MODELS, DEFAULT_MODEL, default_row_tile
 from spinf_jax.packer import Buckets
 from spinf_jax.packs.format import PackError
 from spinf_jax.packs.loader import LoadedPack, load_packs
+from spinf_jax.quant import Precision
+from spinf_jax.quantized import folder_precision
 
 PRECISIONS = ("bf16", "fp8", "int8", "fp32")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -81,7 +83,13 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
     model = args.model or DEFAULT_MODEL
     if problem := _model_problem(model):
         problems.append(f"MODEL {model!r}: {problem}")
-    if args.precision not in PRECISIONS:
+    precision = args.precision
+    if precision is None:
+        try:
+            precision = (folder_precision(model) or Precision.BF16).value
+        except (ValueError, OSError) as e:
+            problems.append(f"MODEL {model!r}: {e}")
+    elif args.precision not in PRECISIONS:
         problems.append(f"--precision: {args.precision!r} is not one of {', '.join(PRECISIONS)}")
     keys = _api_keys(args, environ, problems)
     if args.metrics_auth and not keys:
@@ -120,7 +128,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         packs=packs,
         calibration=calibration,
         model=model,
-        precision=args.precision,
+        precision=precision,
         buckets=buckets,
         api_keys=keys,
         metrics_auth=args.metrics_auth,

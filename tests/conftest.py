@@ -23,3 +23,14 @@ def smollm_engine():
     from spinf_jax.packer import Buckets
 
     return Engine.load("spinf/smollm2-135m-instruct", "fp32", buckets=Buckets((256, 512, 1024), block=64))
+
+
+@pytest.fixture(scope="session")
+def default_url(gemma_engine):
+    """`spinf-jax serve` on the default model (fp32 here, small buckets: the CPU), for the tests that only ask
+    it things."""
+    from spinf_jax.server.app import Settings, create_app
+    from tests.serving import serving
+
+    with serving(create_app(Settings("spinf/gemma-3-270m"), gemma_engine)) as url:
+        yield url

@@ -11,8 +11,6 @@ from spinf_jax import bulk, cli
 from spinf_jax.compiler import Limits
 from spinf_jax.errors import ScoringError
 from spinf_jax.scoring import Scorer
-from spinf_jax.server.app import Settings, create_app
-from tests.test_server import _serve
 
 QUERY = {
     "id": "refund",
@@ -74,28 +72,24 @@ def test_a_batch_over_the_request_token_limit_is_split(gemma_engine, tmp_path):
     assert [r["input_id"] for r in rows] == ["0", "1", "2", "3", "4"]
 
 
-def test_the_command_through_a_server_with_a_pack(gemma_engine, tmp_path):
-    server, thread, url = _serve(create_app(Settings("spinf/gemma-3-270m"), gemma_engine))
-    try:
-        source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-        _write_inputs(source, long_text="word " * 5000)  # over the server's 4,096-token content limit
-        queries = tmp_path / "q.json"
-        queries.write_text(json.dumps([QUERY]))
-        args = [sys.executable, "-m", "spinf_jax.cli", "score", str(source), "--out", str(out), "--queries",
-                str(queries), "--pack", "spinf/reviews", "--url", url, "--batch", "3"]  # fmt: skip
-        run = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-2000:]
-        err = run.stderr
-        assert "spinf-jax score: line 4: content_too_long" in err and "scored 4 in" in err
-        rows = [json.loads(line) for line in out.read_text().splitlines()]
-        assert [r["input_id"] for r in rows] == ["a", "b", "c", "d"]
-        assert all(r["packs"][0]["id"] == "spinf/reviews" and r["queries"][0]["id"] == "refund" for r in rows)
-        again = subprocess.run(args, capture_output=True, text=True, timeout=300)  # everything is there
-        second = again.stderr
-        assert "scored 0 in" in second and "4 already in the output" in second
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+def test_the_command_through_a_server_with_a_pack(default_url, tmp_path):
+    url = default_url
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_inputs(source, long_text="word " * 5000)  # over the server's 4,096-token content limit
+    queries = tmp_path / "q.json"
+    queries.write_text(json.dumps([QUERY]))
+    args = [sys.executable, "-m", "spinf_jax.cli", "score", str(source), "--out", str(out), "--queries",
+            str(queries), "--pack", "spinf/reviews", "--url", url, "--batch", "3"]  # fmt: skip
+    run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    err = run.stderr
+    assert "spinf-jax score: line 4: content_too_long" in err and "scored 4 in" in err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["input_id"] for r in rows] == ["a", "b", "c", "d"]
+    assert all(r["packs"][0]["id"] == "spinf/reviews" and r["queries"][0]["id"] == "refund" for r in rows)
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)  # everything is there
+    second = again.stderr
+    assert "scored 0 in" in second and "4 already in the output" in second
 
 
 def test_the_command_needs_questions(tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 from spinf_jax import api
 from spinf_jax.client import ApiError, AsyncClient, Client, batches
 from spinf_jax.server.app import Settings, create_app
-from tests.test_server import _serve
+from tests.serving import serving
 
 QUERY = {
     "id": "refund",
@@ -23,10 +23,8 @@ TEXTS = [f"Order {1000 + i}: {'please refund me' if i % 2 else 'thanks, all good
 
 @pytest.fixture(scope="module")
 def url(gemma_engine):
-    server, thread, url = _serve(create_app(Settings("spinf/gemma-3-270m", api_keys=("k-1",)), gemma_engine))
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(Settings("spinf/gemma-3-270m", api_keys=("k-1",)), gemma_engine)) as url:
+        yield url
 
 
 def test_typed_results_batched_in_order_equal_one_request(url, monkeypatch):

@@ -21,8 +21,6 @@ import pytest
 
 from spinf_jax import cli
 from spinf_jax.engine import Engine
-from spinf_jax.server.app import Settings, create_app
-from tests.test_server import _serve
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [
@@ -118,14 +116,6 @@ def run_command(command: str, url: str, setenv=None) -> None:
         assert argv[0] in NOT_RUN, f"the docs runner does not know how to run: {command}"
 
 
-@pytest.fixture(scope="module")
-def url(gemma_engine):
-    server, thread, url = _serve(create_app(Settings("spinf/gemma-3-270m"), gemma_engine))
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
-
-
 @pytest.fixture
 def engines(gemma_engine, smollm_engine, monkeypatch):
     """Engine.load of a built-in model gives the session's engine."""
@@ -139,7 +129,8 @@ def engines(gemma_engine, smollm_engine, monkeypatch):
 
 
 @pytest.mark.parametrize("path", [p for p in DOCS if blocks(p)], ids=lambda p: str(p.relative_to(REPO)))
-def test_the_examples_run(path, url, engines, tmp_path, monkeypatch):
+def test_the_examples_run(path, default_url, engines, tmp_path, monkeypatch):
+    url = default_url
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SPINF_BASE_URL", url)
     monkeypatch.delenv("SPINF_API_KEY", raising=False)

@@ -50,14 +50,20 @@ def spinf_logger():
     logger.handlers, logger.level, logger.propagate = saved
 
 
+def _written(logger: logging.Logger, formatter: logging.Formatter) -> io.StringIO:
+    """What the logger writes at info and above, through the formatter."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return stream
+
+
 @pytest.fixture
 def lines(spinf_logger):
     """Every spinf_jax log line at info and above, as the JSON formatter writes them, parsed."""
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    spinf_logger.addHandler(handler)
-    spinf_logger.setLevel(logging.INFO)
+    stream = _written(spinf_logger, JsonFormatter())
     return lambda event: [
         line for line in map(json.loads, stream.getvalue().splitlines()) if line["event"] == event
     ]
@@ -152,11 +158,7 @@ def test_a_model_that_fails_to_load_is_an_error_line(lines, tmp_path):
 
 
 def test_on_a_terminal_a_line_is_key_value(spinf_logger):
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(KeyValueFormatter())
-    spinf_logger.addHandler(handler)
-    spinf_logger.setLevel(logging.INFO)
+    stream = _written(spinf_logger, KeyValueFormatter())
     fields = {
         "request_id": "req_1",
         "path": "/v1/score",

@@ -21,8 +21,7 @@ from spinf_jax.packs.loader import OFFICIAL, load_packs, split_ref
 from spinf_jax.scoring import Scorer
 from spinf_jax.server.app import create_app
 from spinf_jax.server.settings import Settings
-from tests.serving import loaded
-from tests.test_server import _serve
+from tests.serving import loaded, serving
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_PACKS = REPO / "fixtures" / "packs"
@@ -295,10 +294,8 @@ def test_pack_errors(scorer, ref, code, param):
 @pytest.fixture(scope="module")
 def url(gemma_engine):
     settings = Settings("spinf/gemma-3-270m", packs=load_packs([str(TEST_PACKS)]))
-    server, thread, url = _serve(create_app(settings, gemma_engine))
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(settings, gemma_engine)) as url:
+        yield url
 
 
 def test_server_lists_and_scores_packs(url, scorer):

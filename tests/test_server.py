@@ -3,21 +3,18 @@
 import copy
 import json
 import math
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spinf_jax.calibration import Calibration, Workload
 from spinf_jax.decisions import Decider
 from spinf_jax.server.app import Settings, create_app
+from tests.serving import serving
 from tests.spec_example import QUERY_POOL, scores_by_question, without_extraction
 
 MODEL = "spinf/smollm2-135m-instruct"
@@ -33,51 +30,19 @@ def engine(smollm_engine):
     return smollm_engine
 
 
-def _serve(app):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return server, thread, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server did not become ready")
-
-
 @pytest.fixture(scope="module")
 def url(engine):
     calibration = Calibration({"support": Workload(2.0), "spam": Workload(1.5, rule="floor_lift")})
     settings = Settings(MODEL, served_names=("spinf/gemma-4-12b-fp8",), calibration=calibration)
-    server, thread, url = _serve(create_app(settings, engine))
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(settings, engine)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def strict_url(engine):
     """A server with an API key and no room in its queue."""
-    server, thread, url = _serve(create_app(Settings(MODEL, api_keys=("sekret",), max_queue=0), engine))
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def default_url(gemma_engine):
-    """`spinf-jax serve` on the default model (fp32 here, small buckets: the CPU)."""
-    server, thread, url = _serve(create_app(Settings("spinf/gemma-3-270m"), gemma_engine))
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(Settings(MODEL, api_keys=("sekret",), max_queue=0), engine)) as url:
+        yield url
 
 
 def test_default_model_same_bits_however_a_question_is_asked(default_url):

@@ -10,6 +10,7 @@ transformers' greedy and beam-search continuations of them (`extraction_run`).
 
 import gzip
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,9 +122,13 @@ def own_reference(model: Model, token_ids: list[list[int]], texts: list[str | No
     each position (the k most likely) comes from a plain forward; every value comes from the engine's
     bucketed pass, as the compared scores do."""
     prompts = []
+    # Every prompt in a pass of the same rows (one program), a whole number of the model's row tiles (1,024
+    # on a GPU), its padding a chain of its own that the mask keeps apart.
+    tile = math.lcm(128, model.row_tile or 128)
+    rows = -(-max(map(len, token_ids)) // tile) * tile
     for ids, text in zip(token_ids, texts, strict=True):
-        batch = TreeBatch.sequence(ids)
-        logits = model.logits(model.hidden(batch))[: len(ids)]  # all rows: one program for every prompt
+        batch, _ = TreeBatch.chains([list(ids), [0] * (rows - len(ids))] if rows > len(ids) else [list(ids)])
+        logits = model.logits(model.hidden(batch))[: len(ids)]
         top = np.asarray(jax.lax.top_k(logits, k)[1]).tolist()
         prompts.append({"text": text, "token_ids": list(ids), "top_ids": top})
     values, _ = score_reference(reference_engine(model), prompts)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spinf_jax import export
+from spinf_jax import export, parity
 from spinf_jax.cli import main
 from spinf_jax.engine import Engine
 from spinf_jax.layout import build_tree
@@ -129,3 +129,15 @@ def test_cli_writes_a_loadable_folder_with_card_and_report(tmp_path):
     model = load_model(str(out), "fp8")
     assert model.decoder.embed.get_value().dtype == jnp.bfloat16
     assert main(["quantize", str(TINY / "gemma3"), "--precision", "fp8", "--out", str(out)]) == 2  # not empty
+
+
+def test_the_report_reference_holds_at_any_row_tile():
+    """The parity report's own reference runs a plain forward of each prompt: it must fit the model's row
+    tiles (1,024 rows on a GPU, more than these prompts) and give the same tokens whatever the tile."""
+    ids = [np.random.default_rng(1).integers(3, 500, n).tolist() for n in (17, 300)]
+    refs = []
+    for tile in (128, 1024):
+        model = load_model(str(TINY / "gemma3"), "fp32")
+        model.row_tile = tile
+        refs.append(parity.own_reference(model, ids, [None, None]))
+    assert [p["top_ids"] for p in refs[0]["prompts"]] == [p["top_ids"] for p in refs[1]["prompts"]]

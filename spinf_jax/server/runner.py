@@ -38,10 +38,6 @@ class Ticket(Future):
         self.pass_s: float | None = None
 
 
-def _tokens(plan) -> int:
-    return sum(len(t) for t in plan.trees)
-
-
 class Runner:
     def __init__(self, engine, max_queue: int = 64, max_delay: float = 0.005):
         self.engine = engine
@@ -80,7 +76,7 @@ class Runner:
             if self._pending >= self.max_queue:
                 raise QueueFull
             self._pending += 1
-            ticket = Ticket(_tokens(plan))
+            ticket = Ticket(sum(len(t) for t in plan.trees))
             self._tokens_left += ticket.tokens
         self._queue.put((plan, finish, ticket))
         return ticket
@@ -101,7 +97,7 @@ class Runner:
                 item[2].set_exception(ScoringError("shutting_down", "the server is stopping; retry shortly"))
 
     def _gather(self, first: tuple) -> list[tuple[Any, Finish, Ticket]]:
-        batch, tokens = [first], _tokens(first[0])
+        batch, tokens = [first], first[2].tokens
         deadline = time.monotonic() + self.max_delay
         while tokens < self.engine.buckets.largest:
             try:
@@ -112,7 +108,7 @@ class Runner:
                 self._queue.put(None)  # let the loop see the stop after this batch
                 break
             batch.append(item)
-            tokens += _tokens(item[0])
+            tokens += item[2].tokens
         return batch
 
     def _loop(self) -> None:
@@ -135,7 +131,7 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
             failure = exc
         seconds = time.perf_counter() - start
-        self._measured(sum(len(t) for t in trees), seconds)
+        self._measured(sum(ticket.tokens for _, _, ticket in batch), seconds)
         offset = 0
         for plan, finish, ticket in batch:
             ticket.queue_s, ticket.pass_s = start - ticket.submitted, seconds

@@ -72,6 +72,12 @@ def use_compilation_cache(path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# The programs are module-level jits with the model's structure (its graphdef) as a static argument: jit's
+# cache then keys traces and compiled programs by structure and shapes, so every engine over a model of the
+# same structure shares them (a second engine, other buckets, a reload of the model compile nothing new).
+# The weights are always an argument, never a constant.
+
+
 def _read(decoder, hidden, read_rows, target_read, target_token, row_tile):
     """Every target's log-prob [max_targets], and the most likely next token at each read row [max_reads]
     (from the same full-vocabulary logits as the log-softmax normalisers)."""
@@ -89,12 +95,14 @@ def _read(decoder, hidden, read_rows, target_read, target_token, row_tile):
     return jnp.minimum(picked - norm[target_read], 0.0), top
 
 
+@partial(jax.jit, static_argnames=("graphdef", "row_tile"))
 def _score_pass(weights, batch: TreeBatch, read_rows, target_read, target_token, *, graphdef, row_tile):
     """One pass: its targets' log-probs and its reads' most likely tokens (_read)."""
     decoder = nnx.merge(graphdef, weights)
     return _read(decoder, decoder(batch, row_tile), read_rows, target_read, target_token, row_tile)
 
 
+@partial(jax.jit, static_argnames=("graphdef", "row_tile"))
 def _extract_pass(weights, batch: TreeBatch, read_rows, target_read, target_token, *, graphdef, row_tile):
     """_score_pass, and what decoding the pass's extraction slots continues from: the final hidden state at
     every read row [max_reads, D] and every layer's keys and values [T, K, D] (None for a layer that reads
@@ -126,6 +134,7 @@ def _choose(decoder, hidden, kind, closing_first, ends, forced, masks, tile):
     return by_rows(rows, tile, hidden, kind, closing_first, ends, forced)
 
 
+@partial(jax.jit, static_argnames=("graphdef", "tile"))
 def _first_candidates(weights, hidden, kind, closing_first, ends, masks, *, graphdef, tile):
     """The candidates read at the slot rows of a pass (_choose)."""
     decoder = nnx.merge(graphdef, weights)
@@ -135,6 +144,7 @@ def _first_candidates(weights, hidden, kind, closing_first, ends, masks, *, grap
     return top_lp, top_tok, outside
 
 
+@partial(jax.jit, static_argnames=("graphdef", "tile", "block"), donate_argnames=("history",))
 def _decode_step(weights, cache, history, masks, batch_arrays, kind, closing_first, ends, forced, *, graphdef,
                  tile, block):  # fmt: skip
     """One decode step over [G × W] rows (layers.DecodeBatch): each row's candidates and forced-token log-prob
@@ -210,18 +220,16 @@ class Engine:
         # Split once: the compiled step is a plain jax.jit over the weights' state, the module structure is
         # static. (Weights changed on model.decoder after this are not seen by this engine.)
         graphdef, self._weights = split(model.decoder)
-        self._run = jax.jit(partial(_score_pass, graphdef=graphdef, row_tile=model.row_tile))
+        self._graphdef = graphdef
         self._programs: dict[int, jax.stages.Compiled] = {}  # bucket size → its compiled pass
+        self._warm: set[int] = set()  # bucket sizes whose program has run once (warmup)
         # Extraction: a pass that also hands back its keys and values, then fixed-shape decode steps of
         # [G × W] rows in buckets of decode_sizes rows (spinf_jax.extraction).
         tile, self.decode_sizes = decode_shapes()
         self.decode_tile = tile
-        self._extract = jax.jit(partial(_extract_pass, graphdef=graphdef, row_tile=model.row_tile))
-        self._first = jax.jit(partial(_first_candidates, graphdef=graphdef, tile=tile))
-        self._step = jax.jit(
-            partial(_decode_step, graphdef=graphdef, tile=tile, block=self.buckets.block),
-            donate_argnames=("history",),
-        )
+        self._extract = partial(_extract_pass, graphdef=graphdef, row_tile=model.row_tile)
+        self._first = partial(_first_candidates, graphdef=graphdef, tile=tile)
+        self._step = partial(_decode_step, graphdef=graphdef, tile=tile, block=self.buckets.block)
         size = model.config.vocab_size
         self.vocabulary = vocabulary(model.tokenizer) if model.tokenizer else Vocabulary.anything(size)
         v = self.vocabulary
@@ -247,11 +255,14 @@ class Engine:
 
     def warmup(self, progress: Progress | None = None) -> None:
         """Compile every bucket's program now and run it once (the server does this before it reports
-        ready); each program is a step of "compile" (progress), with its bucket size and seconds."""
-        with Steps(progress, "compile", len(self.buckets.sizes), "program") as step:
-            for size in self.buckets.sizes:
+        ready); each program is a step of "compile" (progress), with its bucket size and seconds. A bucket
+        already warmed is not run again (an app started on an engine that served before starts at once)."""
+        cold = [size for size in self.buckets.sizes if size not in self._warm]
+        with Steps(progress, "compile", len(cold), "program") as step:
+            for size in cold:
                 start = time.perf_counter()
                 self._run_pass(self._empty_pass(size))
+                self._warm.add(size)
                 step(bucket=size, seconds=round(time.perf_counter() - start, 2))
 
     def program(self, size: int) -> jax.stages.Compiled:
@@ -281,7 +292,8 @@ class Engine:
 
     def lowered(self, size: int) -> jax.stages.Lowered:
         """One bucket's program, lowered, for inspection (`.compile().memory_analysis()`, `.as_text()`)."""
-        return self._run.lower(*self._pass_args(self._empty_pass(size)))
+        args = self._pass_args(self._empty_pass(size))
+        return _score_pass.lower(*args, graphdef=self._graphdef, row_tile=self.model.row_tile)
 
     def _empty_pass(self, size: int) -> Pass:
         return pack([build_tree([0], [], [])], self._bucket(size))[0]

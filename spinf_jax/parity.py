@@ -142,7 +142,7 @@ def own_reference(model: Model, token_ids: list[list[int]], texts: list[str | No
 
 
 def compare(
-    model: Model,
+    engine: Engine,
     ref: dict,
     *,
     tolerance: float | None,
@@ -151,7 +151,7 @@ def compare(
     passes: int,
     name: str,
 ) -> ParityResult:
-    prompts = ref["prompts"]
+    prompts, model = ref["prompts"], engine.model
     tokenizer_ok = None
     if model.tokenizer is not None and any(p.get("text") is not None for p in prompts):
         tok = model.tokenizer
@@ -160,7 +160,6 @@ def compare(
             for p in prompts
             if p.get("text") is not None
         )
-    engine = reference_engine(model)
     ours, argmax = score_reference(engine, prompts)
     bit_identical = None
     if passes > 1:
@@ -200,7 +199,7 @@ def run(
     ref = read_reference(Path(reference))
     model = model or load_model(fixture, precision)
     return compare(
-        model,
+        reference_engine(model),
         ref,
         tolerance=tolerance,
         mean_tolerance=mean_tolerance,
@@ -223,38 +222,44 @@ def run_all(passes: int = 1, path: Path = MANIFEST, only: str | None = None, nam
     def model_of(entry: dict) -> Model:
         nonlocal loaded
         key = (entry["model"], entry["precision"])
-        model = loaded.get(key) or load_model(_repo_path(entry["model"]), entry["precision"])
+        model = loaded.get(key) or load_model(model_spec(entry), entry["precision"])
         loaded = {key: model}  # keep only the current model resident
         return model
 
     def chosen(entry: dict) -> bool:
         return not ((only and only not in entry["name"]) or (name and name != entry["name"]))
 
-    for entry in filter(chosen, manifest(path)):
-        yield run(
-            entry["model"],
-            REPO / entry["reference"],
-            precision=entry["precision"],
-            tolerance=entry.get("tolerance"),
-            mean_tolerance=entry.get("mean_tolerance"),
-            min_top1=entry.get("min_top1"),
-            passes=passes,
-            name=entry["name"],
-            model=model_of(entry),
-        )
-    for entry in filter(chosen, manifest(path, "extraction")):
-        reference = read_reference(REPO / entry["reference"])
-        yield extraction_compare(
-            model_of(entry),
-            reference,
-            tolerance=entry["tolerance"],
-            min_agree=entry["min_agree"],
-            name=entry["name"],
-        )
+    for section in ("fixtures", "extraction"):
+        for entry in filter(chosen, manifest(path, section)):
+            model = model_of(entry)
+            engine = reference_engine(model) if section == "fixtures" else extraction_engine(model)
+            yield run_entry(entry, engine, passes, section)
 
 
-def _repo_path(spec: str) -> str:
-    """Manifest model specs are built-in names or paths relative to the repository."""
+def run_entry(entry: dict, engine: Engine, passes: int = 1, section: str = "fixtures"):
+    """One manifest entry of a section, scored by an engine on its model (load_model(model_spec(entry),
+    entry["precision"])): a ParityResult, or an ExtractionParity for the extraction section. Any engine's
+    buckets give the same bits (the invariance tests); the command uses reference_engine's and
+    extraction_engine's."""
+    reference = read_reference(REPO / entry["reference"])
+    if section == "extraction":
+        return extraction_compare(
+            engine, reference, tolerance=entry["tolerance"], min_agree=entry["min_agree"], name=entry["name"]
+        )
+    return compare(
+        engine,
+        reference,
+        tolerance=entry.get("tolerance"),
+        mean_tolerance=entry.get("mean_tolerance"),
+        min_top1=entry.get("min_top1"),
+        passes=passes,
+        name=entry["name"],
+    )
+
+
+def model_spec(entry: dict) -> str:
+    """A manifest entry's model: a built-in name, or a path relative to the repository."""
+    spec = entry["model"]
     return str(REPO / spec) if (REPO / spec).exists() else spec
 
 
@@ -309,8 +314,13 @@ def _reference_logprob(recorded, tokens: tuple[int, ...]) -> float | None:
     return None
 
 
+def extraction_engine(model: Model) -> Engine:
+    """The engine extraction parity decodes with: the smallest of the server's buckets on this backend."""
+    return Engine(model, Buckets(default_sizes()[:1]))
+
+
 def extraction_compare(
-    model: Model, ref: dict, *, tolerance: float, min_agree: float, name: str
+    engine: Engine, ref: dict, *, tolerance: float, min_agree: float, name: str
 ) -> ExtractionParity:
     """Decode every recorded prompt twice (a searched slot and a generated one) with the program the server
     runs, and compare:
@@ -320,7 +330,7 @@ def extraction_compare(
       starts a recorded sequence, with the sum of that sequence's recorded log-probs. A {n} or {$} answer
       that ends where a non-number follows is left out of this: its end is a mass, not a token;
     - where the greedy continuation reaches the closing text, our most likely searched answer with it."""
-    tok = model.tokenizer
+    model, tok = engine.model, engine.model.tokenizer
     prompts = ref["prompts"]
     tokenizer_ok = None
     if tok is not None and any(p["content"] is not None for p in prompts):
@@ -328,7 +338,6 @@ def extraction_compare(
             tok.encode(p["content"]) == p["content_ids"] and tok.encode(p["template"]) == p["template_ids"]
             for p in prompts
         )
-    engine = Engine(model, Buckets(default_sizes()[:1]))
     trees = []
     for p in prompts:
         closing = tuple(tok.encode(p["closing"])) if p["closing"] else ()

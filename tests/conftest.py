@@ -1,28 +1,36 @@
 import os
+from pathlib import Path
 
 import pytest
 
 # Tests run on the CPU with f32 matmuls at full precision, whatever machine they are on.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# One persistent compile cache for the session and the processes it starts: every engine of the same model,
+# precision and buckets compiles the same programs, so each program is compiled once and then read from disk
+# (JAX keys an entry by the program, the compile options and the versions). Under the checkout, so a fresh
+# clone starts cold, as CI does, and a developer's later runs start warm.
+COMPILE_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "jax"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(COMPILE_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
+import tests.profiles  # noqa: E402, F401 - the Hypothesis profiles, before any test module is read
 
 
 @pytest.fixture(scope="session")
 def gemma_engine():
     """The default model (Gemma 3 270M) in fp32, shared by the engine and server tests (it compiles once)."""
-    from spinf_jax.engine import Engine
-    from spinf_jax.packer import Buckets
+    from tests import engines
 
-    return Engine.load("spinf/gemma-3-270m", "fp32", buckets=Buckets((256, 512, 1024), block=64))
+    return engines.engine("spinf/gemma-3-270m")
 
 
 @pytest.fixture(scope="session")
 def smollm_engine():
     """SmolLM2-135M-Instruct in fp32: the chat-templated model that decisions are read from."""
-    from spinf_jax.engine import Engine
-    from spinf_jax.packer import Buckets
+    from tests import engines
 
-    return Engine.load("spinf/smollm2-135m-instruct", "fp32", buckets=Buckets((256, 512, 1024), block=64))
+    return engines.engine("spinf/smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from spinf_jax.decoding import convert
 from spinf_jax.layout import Extract
 from spinf_jax.loader import open_checkpoint, resolve
 from spinf_jax.tokenizer import Tokenizer
+from tests.profiles import examples
 from tests.spec_example import SPEC_REQUEST as SPEC_EXAMPLE
 
 
@@ -244,7 +245,7 @@ ATOMS = ["Answer", ":", " ", "  ", "\n", "\t", "yes", " yes", "s", "1", "23", "'
 pieces = st.lists(st.sampled_from(ATOMS), min_size=1, max_size=8).map("".join)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(template=pieces, option=pieces)
 def test_junction_check_matches_the_whole_text(gemma, smollm, template, option):
     """The boundary check reads only the template's end; it must agree with tokenising the whole text."""
@@ -569,7 +570,7 @@ def _compiles_or_refuses(body, tok):
         assert error.param is None or isinstance(error.param, str)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(body=json_like)
 def test_random_junk_is_refused_cleanly(gemma, body):
     _compiles_or_refuses(body, gemma)
@@ -581,7 +582,7 @@ MIXED = inputs(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(data=st.data())
 def test_mutated_requests_are_refused_cleanly(smollm, data):
     body = copy.deepcopy(data.draw(st.sampled_from([SPEC_EXAMPLE, MIXED])))

@@ -18,6 +18,7 @@ from spinf_jax.models.layers import TreeBatch
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision
 from spinf_jax.scoring import Scorer
+from tests import engines
 from tests.spec_example import QUERY_POOL, scores_by_question, without_extraction
 
 SPEC_EXAMPLE = without_extraction()
@@ -35,10 +36,8 @@ def engine(gemma_engine):
 
 
 @pytest.fixture(scope="module", params=["fp32", "bf16"])
-def engine_in(request, gemma_engine):
-    if request.param == "fp32":
-        return gemma_engine
-    return Engine.load("spinf/gemma-3-270m", request.param, buckets=Buckets((512, 1024), block=64))
+def engine_in(request):
+    return engines.engine("spinf/gemma-3-270m", request.param)
 
 
 def _options(response, input_index, query_id, combination=0):
@@ -196,7 +195,8 @@ def test_floor_skipped_when_asked(engine):
 
 
 def test_floors_are_cached_across_calls():
-    engine = Engine.load("spinf/smollm2-135m-instruct", "fp32", buckets=Buckets((256, 512), block=64))
+    # A new engine: no floors cached yet.
+    engine = Engine(engines.model("spinf/smollm2-135m-instruct"), Buckets((256, 512), block=64))
     first = engine.score(SPEC_EXAMPLE)
     second = engine.score(SPEC_EXAMPLE)
     assert first["usage"]["prompt_tokens_details"]["floor_tokens"] > 0

@@ -10,8 +10,9 @@ import pytest
 from spinf_jax.engine import Engine
 from spinf_jax.extraction import CANDIDATES, SlotSearch
 from spinf_jax.layout import Extract, QuestionKey, build_tree
-from spinf_jax.loader import default_row_tile, load_model
+from spinf_jax.loader import default_row_tile
 from spinf_jax.packer import Buckets
+from tests import engines
 from tests.spec_example import SPEC_REQUEST
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
@@ -32,7 +33,7 @@ def _buckets(*multiples: int) -> Buckets:
 
 
 def _engine(family: str, precision: str = "fp32") -> Engine:
-    return Engine(load_model(TINY / family, precision), buckets=_buckets(1, 2))
+    return engines.engine(family, precision, _buckets(1, 2).sizes, 64)
 
 
 @pytest.fixture(scope="module", params=["gemma3", "qwen3", "gemma4-e2b"])

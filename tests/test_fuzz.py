@@ -23,13 +23,14 @@ from spinf_jax import api
 from spinf_jax.decoding import MAX_DEPTH
 from spinf_jax.errors import CODES
 from spinf_jax.server.app import Settings, create_app
+from tests.profiles import examples
 from tests.serving import loaded
 from tests.spec_example import QUERY_POOL
 
 MODEL = "spinf/gemma-3-270m"
 ROUTES = {"/v1/score": api.ScoreResponse, "/v1/chat/completions": api.ChatCompletion}
-BULK_BODIES = 10_000
-ENGINE_BODIES = 12
+BULK_BODIES = examples(10_000)
+ENGINE_BODIES = examples(12)
 FIXED = {
     "messages": [{"role": "user", "content": "I was charged twice for September."}],
     "scoring": {"queries": QUERY_POOL[:3]},

@@ -1,6 +1,5 @@
 """Trees, packing and invariance at the token level (no text): tiny fixtures of every stack, fp32, CPU."""
 
-import functools
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +9,9 @@ from hypothesis import strategies as st
 
 from spinf_jax.engine import Engine
 from spinf_jax.layout import QuestionKey, build_tree
-from spinf_jax.loader import load_model
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.packer import Buckets, content_trees, pack, read_trees
+from tests import engines
 from tests.trees import POOL
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
@@ -27,9 +26,8 @@ QUESTIONS = [
 FAMILIES = ["gemma3", "qwen3", "gemma4", "gemma4-e2b", "gemma4-keqv"]
 
 
-@functools.cache
 def _engine(family: str, precision: str) -> Engine:
-    return Engine(load_model(str(TINY / family), precision), Buckets((256, 512, 1024), block=32))
+    return engines.engine(family, precision, (256, 512, 1024), block=32)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -19,6 +19,7 @@ from spinf_jax.models import abstract_decoder
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.models.params import nbytes
 from spinf_jax.quant import QuantArray
+from tests import engines
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "fixtures" / "tiny"
@@ -116,10 +117,10 @@ def _next_tokens(model, text, k):
 
 
 def test_real_models_load_from_their_packages_and_predict():
-    smol = load_model("spinf/smollm2-135m-instruct", "bf16")
+    smol = engines.model("spinf/smollm2-135m-instruct", "bf16")
     assert smol.tokenizer.add_bos is False  # SmolLM2's GGUF asks for no BOS
     assert _next_tokens(smol, "The capital of France is", 1) == [" Paris"]
-    gemma = load_model("spinf/gemma-3-270m", "bf16")
+    gemma = engines.model("spinf/gemma-3-270m", "bf16")
     assert gemma.tokenizer.prefix() == [2]  # honours tokenizer.ggml.add_bos_token
     assert " Paris" in _next_tokens(gemma, "Q: What is the capital of France?\nA:", 2)
 
@@ -127,7 +128,7 @@ def test_real_models_load_from_their_packages_and_predict():
 def test_gemma_tokenizer_matches_the_official_tokenizer():
     """Our GGUF → BPE conversion against ids recorded from Gemma 3's official tokenizer.json."""
     recorded = json.loads((REPO / "fixtures" / "references" / "gemma3-tokenizer.json").read_text())
-    tok = load_model("spinf/gemma-3-270m", "bf16").tokenizer
+    tok = engines.model("spinf/gemma-3-270m", "bf16").tokenizer
     for case in recorded["cases"]:
         assert tok.encode(case["text"]) == case["ids"], case["text"]
 

@@ -1,4 +1,9 @@
-"""Parity with Hugging Face transformers on every fixture of the manifest (tiny families and real models)."""
+"""Parity with Hugging Face transformers on every fixture of the manifest (tiny families and real models).
+
+Each entry runs once, on the session's model of its (model, precision) (tests/engines.py), in a bucket that
+gives the bits of `spinf-jax parity`'s (the invariance tests). That a second pass gives the same bits is a
+property of the engine's program, not of a fixture: one test checks it for every family of the tiny
+fixtures (the real models' stacks are among them)."""
 
 from pathlib import Path
 
@@ -6,29 +11,49 @@ import pytest
 
 from spinf_jax import parity
 from spinf_jax.cli import main
+from tests import engines
 
 ENTRIES = parity.manifest()
 EXTRACTION = parity.manifest(section="extraction")
+TINY_ENTRIES = [e for e in ENTRIES if e["model"].startswith("fixtures/tiny/")]
+# The real models: each loads a GGUF and runs fp8/int8 emulated on the CPU (slow tier).
+REAL = pytest.mark.slow
 
 
-@pytest.mark.parametrize("entry", ENTRIES, ids=[e["name"] for e in ENTRIES])
+def _marks(entry: dict) -> list:
+    return [] if entry["model"].startswith("fixtures/") else [REAL]
+
+
+def _engine(entry: dict):
+    """One bucket, the largest the tests use: its program is the one the other tests' engines of the model
+    compile (jit shares programs between engines), and a real model's fp8 or int8 compiles no other."""
+    return engines.engine(parity.model_spec(entry), entry["precision"], (1024,))
+
+
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e["name"], marks=_marks(e)) for e in ENTRIES])
 def test_manifest_entry(entry):
-    [result] = parity.run_all(passes=2, name=entry["name"])
+    result = parity.run_entry(entry, _engine(entry))
     print(result.line())
     assert result.name == entry["name"]
     assert result.ok, result.line()
-    assert result.bit_identical
     if result.tokenizer_ok is not None:
         assert result.tokenizer_ok
 
 
-@pytest.mark.parametrize("entry", EXTRACTION, ids=[e["name"] for e in EXTRACTION])
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e["name"], marks=_marks(e)) for e in EXTRACTION])
 def test_extraction_entry(entry):
     """Decoded answers against transformers' greedy and beam-search continuations (issue 14)."""
-    [result] = parity.run_all(name=entry["name"])
+    result = parity.run_entry(entry, _engine(entry), section="extraction")
     print(result.line())
     assert result.ok, result.line()
     assert result.answers >= len(parity.read_reference(parity.REPO / entry["reference"])["prompts"])
+
+
+def test_passes_are_bit_identical_in_every_family():
+    """`spinf-jax parity --passes 2`: every family's program gives the same bits when it runs again."""
+    for entry in TINY_ENTRIES:
+        result = parity.run_entry(entry, _engine(entry), passes=2)
+        assert result.bit_identical, result.line()
 
 
 def test_cli_fails_beyond_tolerance(capsys):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from spinf_jax.calibration import Calibration, Workload
 from spinf_jax.decisions import Decider
 from spinf_jax.server.app import Settings, create_app
+from tests.profiles import examples
 from tests.serving import serving
 from tests.spec_example import QUERY_POOL, scores_by_question, without_extraction
 
@@ -339,7 +340,9 @@ keys = st.sampled_from(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     path=st.sampled_from(["/v1/score", "/v1/chat/completions", "/decide", "/decide/shared"]),
     body=st.one_of(json_values, st.dictionaries(keys, json_values, max_size=4), st.binary(max_size=50)),

@@ -1,0 +1,40 @@
+"""The models and engines the tests share. A model is loaded once a session per (spec, precision), and an
+engine built once per (model, precision, buckets): a test that only asks an engine things takes one from
+here instead of loading or compiling its own. (A test that needs an engine's fresh state, such as an empty
+floor cache, builds `Engine(model(...), ...)`: its programs then come from the session's compile cache.)
+
+Specs are the built-in names (spinf/gemma-3-270m, spinf/smollm2-135m-instruct) or a folder of
+fixtures/tiny by its name ("gemma3", "qwen3", ...)."""
+
+import functools
+from pathlib import Path
+
+from spinf_jax.engine import Engine
+from spinf_jax.loader import Model, load_model
+from spinf_jax.packer import Buckets
+
+TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
+
+
+def model(spec: str, precision: str = "fp32") -> Model:
+    return _model(_spec(spec), precision)
+
+
+def engine(spec: str, precision: str = "fp32", sizes: tuple[int, ...] = (256, 512, 1024), block: int = 64):
+    return _engine(_spec(spec), precision, tuple(sizes), block)
+
+
+def _spec(spec: str) -> str:
+    """One name per model, so that a tiny fixture named by its folder or by its path loads once."""
+    folder = TINY / spec  # an absolute path stays itself
+    return str(folder.resolve()) if folder.is_dir() else spec
+
+
+@functools.cache
+def _model(spec: str, precision: str) -> Model:
+    return load_model(spec, precision)
+
+
+@functools.cache
+def _engine(spec: str, precision: str, sizes: tuple[int, ...], block: int) -> Engine:
+    return Engine(_model(spec, precision), Buckets(sizes, block))

@@ -72,6 +72,7 @@ def test_a_batch_over_the_request_token_limit_is_split(gemma_engine, tmp_path):
     assert [r["input_id"] for r in rows] == ["0", "1", "2", "3", "4"]
 
 
+@pytest.mark.slow  # a subprocess that imports JAX
 def test_the_command_through_a_server_with_a_pack(default_url, tmp_path):
     url = default_url
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny" / "qwen3"
 WARM = (
     "import sys; from spinf_jax.engine import Engine, use_compilation_cache; "
@@ -13,6 +15,7 @@ WARM = (
 )
 
 
+@pytest.mark.slow  # two subprocesses that import JAX and compile
 def test_restart_reuses_compiled_programs(tmp_path):
     def start() -> set[str]:
         subprocess.run([sys.executable, "-c", WARM, str(tmp_path)], check=True, capture_output=True)

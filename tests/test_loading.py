@@ -133,6 +133,7 @@ def test_gemma_tokenizer_matches_the_official_tokenizer():
         assert tok.encode(case["text"]) == case["ids"], case["text"]
 
 
+@pytest.mark.slow  # a subprocess that imports JAX and loads SmolLM2
 def test_loading_keeps_host_memory_near_one_copy():
     """Peak RSS while loading stays near the final weights' size (+ runtime), never two full copies."""
     code = (

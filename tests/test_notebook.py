@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 NOTEBOOK = Path(__file__).resolve().parent.parent / "docs" / "notebook.py"
 
 
+@pytest.mark.slow  # a subprocess that imports JAX, loads the default model and compiles
 def test_notebook_runs():
     out = subprocess.run([sys.executable, str(NOTEBOOK)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

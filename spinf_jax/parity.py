@@ -194,10 +194,9 @@ def run(
     min_top1: float | None = None,
     passes: int = 1,
     name: str | None = None,
-    model: Model | None = None,
 ) -> ParityResult:
     ref = read_reference(Path(reference))
-    model = model or load_model(fixture, precision)
+    model = load_model(fixture, precision)
     return compare(
         reference_engine(model),
         ref,

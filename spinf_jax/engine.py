@@ -14,7 +14,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import jax
@@ -280,7 +280,7 @@ class Engine:
         )
 
     def _bucket(self, size: int) -> Buckets:
-        return Buckets(tuple(s for s in self.buckets.sizes if s >= size), self.buckets.block)
+        return replace(self.buckets, sizes=tuple(s for s in self.buckets.sizes if s >= size))
 
     def _pass_args(self, p: Pass) -> tuple:
         arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)

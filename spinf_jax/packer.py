@@ -29,6 +29,11 @@ def default_sizes() -> tuple[int, ...]:
 class Buckets:
     sizes: tuple[int, ...] = (2048, 4096, 8192, 16384)
     block: int = 128
+    # Reads and targets a pass holds: one read per `read_every` rows, `targets_per_row` targets per row.
+    # Serving reads about once per 20 tokens; parity reads every position with six targets each
+    # (parity.DENSE), which at the serving capacities would take three passes where one does.
+    read_every: int = 4
+    targets_per_row: int = 1
 
     def __post_init__(self):
         if any(s % self.block or s % READ_CHUNK for s in self.sizes) or list(self.sizes) != sorted(
@@ -49,10 +54,10 @@ class Buckets:
         # Each read costs a full-vocabulary log-softmax; typical trees read once per ~20 tokens. Reads run in
         # chunks of READ_CHUNK rows, the same GEMM shape in every bucket, so a row's result never depends on
         # the bucket (XLA's GEMM rows are not invariant across row counts below 128).
-        return -(-max(2 * READ_CHUNK, size // 4) // READ_CHUNK) * READ_CHUNK
+        return -(-max(2 * READ_CHUNK, size // self.read_every) // READ_CHUNK) * READ_CHUNK
 
     def max_targets(self, size: int) -> int:
-        return size
+        return size * self.targets_per_row
 
     @property
     def largest(self) -> int:

@@ -90,10 +90,20 @@ def score_reference(engine: Engine, prompts: list[dict]) -> tuple[np.ndarray, np
     return np.asarray(logprobs, np.float32), np.concatenate([s.top_tokens for s in scored])
 
 
+def reference_buckets(row_tile: int | None = None) -> Buckets:
+    """The buckets parity scores in: the server's sizes on this backend (those that hold whole row tiles of
+    the model's, Buckets.check_row_tile), each able to read every row it holds with score_reference's six
+    targets a row. At the server's capacities (a read per four rows, a target a row) a recorded prompt's
+    reads would spread over several passes of mostly idle rows; a row's bits do not depend on the capacities
+    (reads run in chunks of one shape; the invariance tests)."""
+    sizes = tuple(s for s in default_sizes() if not row_tile or (s % row_tile == 0 and s >= 2 * row_tile))
+    return Buckets(sizes, read_every=1, targets_per_row=6)
+
+
 def reference_engine(model: Model) -> Engine:
-    """The engine parity scores with: the largest of the buckets the server runs on this backend (every bucket
-    gives the same bits, the invariance tests; and one program compiles faster than several)."""
-    return Engine(model, Buckets(default_sizes()[-1:]))
+    """The engine parity scores with (reference_buckets): a fixture's prompts pack into as few passes as their
+    tokens need, each in the smallest bucket that holds it."""
+    return Engine(model, reference_buckets(model.row_tile))
 
 
 def drift(ours: np.ndarray, argmax: np.ndarray, prompts: list[dict]) -> tuple[int, float, float, float]:

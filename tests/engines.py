@@ -9,6 +9,7 @@ fixtures/tiny by its name ("gemma3", "qwen3", ...)."""
 import functools
 from pathlib import Path
 
+from spinf_jax import parity
 from spinf_jax.engine import Engine
 from spinf_jax.loader import Model, load_model
 from spinf_jax.packer import Buckets
@@ -21,7 +22,13 @@ def model(spec: str, precision: str = "fp32") -> Model:
 
 
 def engine(spec: str, precision: str = "fp32", sizes: tuple[int, ...] = (256, 512, 1024), block: int = 64):
-    return _engine(_spec(spec), precision, tuple(sizes), block)
+    return _engine(_spec(spec), precision, Buckets(tuple(sizes), block))
+
+
+def parity_engine(spec: str, precision: str = "fp32") -> Engine:
+    """`spinf-jax parity`'s engine (parity.reference_engine) over the session's model."""
+    spec = _spec(spec)
+    return _engine(spec, precision, parity.reference_buckets(_model(spec, precision).row_tile))
 
 
 def _spec(spec: str) -> str:
@@ -36,5 +43,5 @@ def _model(spec: str, precision: str) -> Model:
 
 
 @functools.cache
-def _engine(spec: str, precision: str, sizes: tuple[int, ...], block: int) -> Engine:
-    return Engine(_model(spec, precision), Buckets(sizes, block))
+def _engine(spec: str, precision: str, buckets: Buckets) -> Engine:
+    return Engine(_model(spec, precision), buckets)

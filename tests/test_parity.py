@@ -1,9 +1,9 @@
 """Parity with Hugging Face transformers on every fixture of the manifest (tiny families and real models).
 
-Each entry runs once, on the session's model of its (model, precision) (tests/engines.py), in a bucket that
-gives the bits of `spinf-jax parity`'s (the invariance tests). That a second pass gives the same bits is a
-property of the engine's program, not of a fixture: one test checks it for every family of the tiny
-fixtures (the real models' stacks are among them)."""
+Each log-prob entry runs once, on `spinf-jax parity`'s engine over the session's model of its (model,
+precision) (tests/engines.py); an extraction entry on the session's engine of that model. That a second pass
+gives the same bits is a property of the engine's program, not of a fixture: one test checks it for every
+family of the tiny fixtures (the real models' stacks are among them)."""
 
 from pathlib import Path
 
@@ -25,9 +25,14 @@ def _marks(entry: dict) -> list:
 
 
 def _engine(entry: dict):
-    """One bucket, the largest the tests use: its program is the one the other tests' engines of the model
-    compile (jit shares programs between engines), and a real model's fp8 or int8 compiles no other."""
-    return engines.engine(parity.model_spec(entry), entry["precision"], (1024,))
+    """The command's engine over the session's model of the entry."""
+    return engines.parity_engine(parity.model_spec(entry), entry["precision"])
+
+
+def _extraction_engine(entry: dict):
+    """Decoding in the buckets the other tests' engines of the model use, so that they share its programs
+    (any buckets give the same answers: tests/test_extraction.py)."""
+    return engines.engine(parity.model_spec(entry), entry["precision"])
 
 
 @pytest.mark.parametrize("entry", [pytest.param(e, id=e["name"], marks=_marks(e)) for e in ENTRIES])
@@ -43,7 +48,7 @@ def test_manifest_entry(entry):
 @pytest.mark.parametrize("entry", [pytest.param(e, id=e["name"], marks=_marks(e)) for e in EXTRACTION])
 def test_extraction_entry(entry):
     """Decoded answers against transformers' greedy and beam-search continuations (issue 14)."""
-    result = parity.run_entry(entry, _engine(entry), section="extraction")
+    result = parity.run_entry(entry, _extraction_engine(entry), section="extraction")
     print(result.line())
     assert result.ok, result.line()
     assert result.answers >= len(parity.read_reference(parity.REPO / entry["reference"])["prompts"])

@@ -235,8 +235,10 @@ def test_pass_temporaries_do_not_grow_with_depth(family):
         if family == "gemma3":
             cfg_dict["layer_types"] = (["sliding_attention"] * 5 + ["full_attention"]) * (layers // 6)
         model = Model("abstract", abstract_decoder(cfg_dict, Precision.FP32), None, digest="abstract")
-        engine = Engine(model, Buckets((1024,), block=32))
-        return engine.lowered(1024).compile().memory_analysis().temp_size_in_bytes
+        engine = Engine(model, Buckets((256,), block=32))
+        return engine.lowered(256).compile().memory_analysis().temp_size_in_bytes
 
-    shallow, deep = temporaries(6), temporaries(24)
+    # Twice the layers: kept-alive outputs would double the temporaries. (Compiling is what this test
+    # costs, and it grows with layers and rows: 12 layers at 256 rows, not 24 at 1,024.)
+    shallow, deep = temporaries(6), temporaries(12)
     assert deep <= shallow * 1.05, (shallow, deep)

@@ -8,6 +8,7 @@ Each file's blocks run in order, in one temporary folder, against one test serve
   `spinf-jax ...` runs in process (`serve` with `--check`, which validates every flag and file without
   loading), and the few commands that need a machine of their own (docker, installers) are listed in
   NOT_RUN. Any other command fails the test.
+The fast tier runs each file's first example; the slow tier (CI) every example of each file.
 `Engine.load` of the two built-in models hands back the session's engines (fp32 whatever precision is asked),
 so an example that loads a model costs no second load.
 """
@@ -128,19 +129,35 @@ def engines(gemma_engine, smollm_engine, monkeypatch):
     monkeypatch.setattr(Engine, "load", classmethod(cached))
 
 
-@pytest.mark.parametrize("path", [p for p in DOCS if blocks(p)], ids=lambda p: str(p.relative_to(REPO)))
-def test_the_examples_run(path, default_url, engines, tmp_path, monkeypatch):
-    url = default_url
+RUNNABLE = [p for p in DOCS if blocks(p)]
+BY_PATH = {"argvalues": RUNNABLE, "ids": lambda p: str(p.relative_to(REPO))}
+
+
+def run_blocks(path: Path, count: int | None, url: str, monkeypatch, tmp_path: Path) -> None:
+    """The first `count` runnable blocks of a file (all: None), in order, in one namespace."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SPINF_BASE_URL", url)
     monkeypatch.delenv("SPINF_API_KEY", raising=False)
     namespace: dict = {}
-    for lang, code in blocks(path):
+    for lang, code in blocks(path)[:count]:
         if lang == "python":
             exec(compile(LOCAL.sub(url, code), str(path), "exec"), namespace)
             continue
         for command in commands(code):
             run_command(command, url, monkeypatch.setenv)
+
+
+@pytest.mark.parametrize("path", **BY_PATH)
+def test_the_first_example_runs(path, default_url, engines, tmp_path, monkeypatch):
+    """The fast tier's check of every file: its first example."""
+    run_blocks(path, 1, default_url, monkeypatch, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", **BY_PATH)
+def test_the_examples_run(path, default_url, engines, tmp_path, monkeypatch):
+    """Every example of the file, in order (the first again: the later ones may build on it)."""
+    run_blocks(path, None, default_url, monkeypatch, tmp_path)
 
 
 def test_the_runner_reads_commands_as_a_shell_would():

@@ -31,7 +31,7 @@ class Buckets:
     block: int = 128
     # Reads and targets a pass holds: one read per `read_every` rows, `targets_per_row` targets per row.
     # Serving reads about once per 20 tokens; parity reads every position with six targets each
-    # (parity.DENSE), which at the serving capacities would take three passes where one does.
+    # (parity.reference_buckets), which at the serving capacities took six passes where one does.
     read_every: int = 4
     targets_per_row: int = 1
 
@@ -46,9 +46,13 @@ class Buckets:
     def check_row_tile(self, tile: int | None) -> None:
         """With row tiles (models.layers.by_rows), every bucket must hold at least two whole tiles: XLA
         inlines a loop that runs once, and inlined code rounds differently from the loop body."""
-        if tile and any(s % tile or s < 2 * tile for s in self.sizes):
+        if not all(self.holds_row_tiles(s, tile) for s in self.sizes):
             least = f"a multiple of {tile} and at least {2 * tile}"
             raise ValueError(f"rows run in tiles of {tile}: every bucket must be {least}")
+
+    @staticmethod
+    def holds_row_tiles(size: int, tile: int | None) -> bool:
+        return not tile or (size % tile == 0 and size >= 2 * tile)
 
     def max_reads(self, size: int) -> int:
         # Each read costs a full-vocabulary log-softmax; typical trees read once per ~20 tokens. Reads run in

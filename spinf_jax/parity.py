@@ -96,7 +96,7 @@ def reference_buckets(row_tile: int | None = None) -> Buckets:
     targets a row. At the server's capacities (a read per four rows, a target a row) a recorded prompt's
     reads would spread over several passes of mostly idle rows; a row's bits do not depend on the capacities
     (reads run in chunks of one shape; the invariance tests)."""
-    sizes = tuple(s for s in default_sizes() if not row_tile or (s % row_tile == 0 and s >= 2 * row_tile))
+    sizes = tuple(s for s in default_sizes() if Buckets.holds_row_tiles(s, row_tile))
     return Buckets(sizes, read_every=1, targets_per_row=6)
 
 

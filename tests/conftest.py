@@ -42,3 +42,19 @@ def default_url(gemma_engine):
 
     with serving(create_app(Settings("spinf/gemma-3-270m"), gemma_engine)) as url:
         yield url
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected what it deselects
+def pytest_collection_modifyitems(config, items):
+    """A docs file's first example is run by test_the_examples_run too (every example of the file, the slow
+    tier): where both are selected, the fast tier's copy is dropped rather than run twice."""
+    everything = {item.name for item in items if item.originalname == "test_the_examples_run"}
+    twice = [
+        item
+        for item in items
+        if item.originalname == "test_the_first_example_runs"
+        and item.name.replace("test_the_first_example_runs", "test_the_examples_run") in everything
+    ]
+    if twice:
+        config.hook.pytest_deselected(items=twice)
+        items[:] = [item for item in items if item not in twice]

@@ -8,7 +8,8 @@ Each file's blocks run in order, in one temporary folder, against one test serve
   `spinf-jax ...` runs in process (`serve` with `--check`, which validates every flag and file without
   loading), and the few commands that need a machine of their own (docker, installers) are listed in
   NOT_RUN. Any other command fails the test.
-The fast tier runs each file's first example; the slow tier (CI) every example of each file.
+The fast tier runs each file's first example; the slow tier (CI) every example of each file, and then the
+fast tier's copy is deselected (tests/conftest.py).
 `Engine.load` of the two built-in models hands back the session's engines (fp32 whatever precision is asked),
 so an example that loads a model costs no second load.
 """

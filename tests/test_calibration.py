@@ -81,6 +81,7 @@ def test_the_report_gains_on_miscalibrated_rows():
             assert lo <= summary[key][metric] <= hi, (key, metric)
 
 
+@pytest.mark.slow  # the command loads SmolLM2 itself
 def test_calibrate_writes_a_file_the_server_accepts(tmp_path, capsys):
     rows = tmp_path / "rows.jsonl"
     texts = {"positive": ["I loved it.", "Wonderful, thank you!", "Great service."],

@@ -56,7 +56,7 @@ def test_decoded_answers_score_like_the_same_tokens_as_options(tiny):
     np.testing.assert_allclose(check.option_logprobs(1), [generated.logprob], atol=3e-5)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_answers_bit_identical_whatever_the_companions(precision):
     """Alone, with other questions (options, other slots, in other orders), packed after other contents,
     and in another bucket: the same answers, bit for bit. And a {?} question's scores do not change when an

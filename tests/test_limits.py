@@ -175,6 +175,7 @@ def test_body_size_edge(client):
     assert response.json()["error"]["code"] == "request_too_large"
 
 
+@pytest.mark.slow  # one pass of the largest default bucket (6,144 rows on the CPU, fp32)
 def test_the_content_limit_is_served_on_the_default_buckets(gemma_engine):
     """A content at the limit is scored in this backend's largest default bucket; one token more is refused
     before any pass."""

@@ -383,6 +383,7 @@ def test_calibration_sets_baselines_and_thresholds_it_can_justify(scorer, tmp_pa
     assert np.mean(threats) == pytest.approx(0.0, abs=1e-4)
 
 
+@pytest.mark.slow  # the command loads the default model itself
 def test_calibrate_command(tmp_path, capsys):
     (tmp_path / "packs").mkdir()
     (tmp_path / "packs" / "demo.yaml").write_text((TEST_PACKS / "demo.yaml").read_text())

@@ -42,7 +42,7 @@ from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.progress import Progress, Steps
 from spinf_jax.scoring import Scorer
 
-ENGINE_VERSION = "4"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
+ENGINE_VERSION = "5"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
 KINDS = {"text": 0, "number": 1, "amount": 2}  # rows of the masks table; ENDS is its last row
 ENDS = 3
 # History columns of a decode step: an answer's tokens and its closing text. Fixed per width (one for
@@ -78,17 +78,25 @@ def use_compilation_cache(path) -> None:
 # The weights are always an argument, never a constant.
 
 
-def _read(decoder, hidden, read_rows, target_read, target_token, row_tile):
+def _read(decoder, hidden, read_rows, read_chunks, target_read, target_token, row_tile):
     """Every target's log-prob [max_targets], and the most likely next token at each read row [max_reads]
-    (from the same full-vocabulary logits as the log-softmax normalisers)."""
+    (from the same full-vocabulary logits as the log-softmax normalisers).
+
+    Only the first `read_chunks` chunks of READ_CHUNK reads are computed: a pass holds as many reads as its
+    trees ask for, and the rest of its read capacity is padding whose full-vocabulary logits would be thrown
+    away (at Gemma 3 270M on the CPU, the padding reads of a 256-row pass cost as much as its layers). The
+    count is an argument, not a shape: the loop is a while loop in every pass, each chunk the same GEMM,
+    so a read's bits do not depend on how many chunks run. Padding reads come back as 0."""
     hidden = hidden[read_rows]  # [R, D]
-    chunks = hidden.reshape(-1, READ_CHUNK, hidden.shape[-1])
+    chunks = hidden.reshape(-1, READ_CHUNK, hidden.shape[-1])  # [R / READ_CHUNK, READ_CHUNK, D]
 
-    def read(h):  # [READ_CHUNK, D] → normaliser and argmax per row
-        logits = decoder.logits(h)
-        return jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    def read(i, out):  # chunk i: normaliser and argmax per row
+        logits = decoder.logits(chunks[i])
+        norm, top = jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return out[0].at[i].set(norm), out[1].at[i].set(top)
 
-    norm, top = (x.reshape(-1) for x in jax.lax.map(read, chunks))
+    empty = (jnp.zeros(chunks.shape[:2], jnp.float32), jnp.zeros(chunks.shape[:2], jnp.int32))
+    norm, top = (x.reshape(-1) for x in jax.lax.fori_loop(0, read_chunks, read, empty))
     picked = by_rows(decoder.token_logits, row_tile, hidden[target_read], target_token)
     # The target logit comes from a row-wise dot, the normaliser from the GEMM: they can disagree in the
     # last bits, so a certain token could come out at +1e-7. Clamp to a probability.
@@ -96,21 +104,21 @@ def _read(decoder, hidden, read_rows, target_read, target_token, row_tile):
 
 
 @partial(jax.jit, static_argnames=("graphdef", "row_tile"))
-def _score_pass(weights, batch: TreeBatch, read_rows, target_read, target_token, *, graphdef, row_tile):
-    """One pass: its targets' log-probs and its reads' most likely tokens (_read)."""
+def _score_pass(weights, batch: TreeBatch, reads, *, graphdef, row_tile):
+    """One pass: its targets' log-probs and its reads' most likely tokens (_read; reads: Engine._reads)."""
     decoder = nnx.merge(graphdef, weights)
-    return _read(decoder, decoder(batch, row_tile), read_rows, target_read, target_token, row_tile)
+    return _read(decoder, decoder(batch, row_tile), *reads, row_tile)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "row_tile"))
-def _extract_pass(weights, batch: TreeBatch, read_rows, target_read, target_token, *, graphdef, row_tile):
+def _extract_pass(weights, batch: TreeBatch, reads, *, graphdef, row_tile):
     """_score_pass, and what decoding the pass's extraction slots continues from: the final hidden state at
     every read row [max_reads, D] and every layer's keys and values [T, K, D] (None for a layer that reads
     another's). A second program, so that passes without extraction slots keep their outputs small."""
     decoder = nnx.merge(graphdef, weights)
     hidden, kv = decoder.forward(batch, row_tile)
     cache = tuple(layer_kv if decoder.kv_source(i) == i else None for i, layer_kv in enumerate(kv))
-    return (*_read(decoder, hidden, read_rows, target_read, target_token, row_tile), hidden[read_rows], cache)
+    return (*_read(decoder, hidden, *reads, row_tile), hidden[reads[0]], cache)
 
 
 def _choose(decoder, hidden, kind, closing_first, ends, forced, masks, tile):
@@ -285,7 +293,14 @@ class Engine:
     def _pass_args(self, p: Pass) -> tuple:
         arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)
         batch = TreeBatch(*map(jnp.asarray, arrays))
-        return self._weights, batch, p.read_rows, p.target_read, p.target_token
+        return self._weights, batch, self._reads(p)
+
+    @staticmethod
+    def _reads(p: Pass) -> tuple:
+        """A pass's reads as _read takes them: the rows, how many READ_CHUNKs of them are used, and the
+        targets' reads and tokens."""
+        chunks = np.int32(-(-p.reads // READ_CHUNK))
+        return p.read_rows, chunks, p.target_read, p.target_token
 
     def _run_pass(self, p: Pass) -> tuple[np.ndarray, np.ndarray]:
         return tuple(map(np.asarray, self.program(p.size)(*self._pass_args(p))))

@@ -13,8 +13,9 @@ import numpy as np
 from spinf_jax.layout import QuestionKey, Tree, build_tree, read_tree
 
 READ_CHUNK = 128
-# Reads run in two READ_CHUNKs at least (a loop that runs once is inlined and rounds differently); the
-# engine adds its own rule for its row tiles (Engine.__init__).
+# A pass's read capacity is two READ_CHUNKs at least, and its targets fill two of the engine's row tiles at
+# least (a loop that runs once is inlined and rounds differently); the engine adds its own rule for its row
+# tiles (Engine.__init__).
 MIN_BUCKET = 2 * READ_CHUNK
 
 
@@ -85,6 +86,7 @@ class Pass:
     branch_start: np.ndarray  # [size]
     tree_start_block: np.ndarray  # [size // block]
     read_rows: np.ndarray  # [max_reads] rows of the pass (padding reads row 0)
+    reads: int  # how many of read_rows are the trees' (the rest is padding)
     target_read: np.ndarray  # [max_targets] index into read_rows
     target_token: np.ndarray  # [max_targets]
     target_offset: list[int]  # per tree: where its targets start in target_read / target_token
@@ -207,6 +209,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
         branch_start,
         tree_start_block,
         read_rows,
+        n_reads,
         target_read,
         target_token,
         target_offset,

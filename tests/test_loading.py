@@ -117,10 +117,11 @@ def _next_tokens(model, text, k):
 
 
 def test_real_models_load_from_their_packages_and_predict():
-    smol = engines.model("spinf/smollm2-135m-instruct", "bf16")
+    """The session's fp32 models (bf16 on real weights: tests/test_engine.py and the parity entries)."""
+    smol = engines.model("spinf/smollm2-135m-instruct")
     assert smol.tokenizer.add_bos is False  # SmolLM2's GGUF asks for no BOS
     assert _next_tokens(smol, "The capital of France is", 1) == [" Paris"]
-    gemma = engines.model("spinf/gemma-3-270m", "bf16")
+    gemma = engines.model("spinf/gemma-3-270m")
     assert gemma.tokenizer.prefix() == [2]  # honours tokenizer.ggml.add_bos_token
     assert " Paris" in _next_tokens(gemma, "Q: What is the capital of France?\nA:", 2)
 
@@ -128,7 +129,7 @@ def test_real_models_load_from_their_packages_and_predict():
 def test_gemma_tokenizer_matches_the_official_tokenizer():
     """Our GGUF → BPE conversion against ids recorded from Gemma 3's official tokenizer.json."""
     recorded = json.loads((REPO / "fixtures" / "references" / "gemma3-tokenizer.json").read_text())
-    tok = engines.model("spinf/gemma-3-270m", "bf16").tokenizer
+    tok = engines.model("spinf/gemma-3-270m").tokenizer
     for case in recorded["cases"]:
         assert tok.encode(case["text"]) == case["ids"], case["text"]
 

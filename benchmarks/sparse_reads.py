@@ -28,8 +28,9 @@ RNG = np.random.default_rng(25)
 def trees(kind: str, size: int, buckets: Buckets) -> list:
     if kind == "few":
         content = RNG.integers(1000, 20000, size // 2).tolist()
-        template = lambda: tuple(RNG.integers(1000, 20000, 8).tolist())  # noqa: E731
-        questions = [QuestionKey(template(), ((300,), (400,))) for _ in "abcd"]
+        questions = [
+            QuestionKey(tuple(RNG.integers(1000, 20000, 8).tolist()), ((300,), (400,))) for _ in "abcd"
+        ]
         return [build_tree([2], content, questions)]
     reads = min(buckets.max_reads(size), size - buckets.block)
     ids = RNG.integers(1000, 20000, reads + 1).tolist()

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spinf_jax.models.params import Kind, params
+from spinf_jax.models.params import Kind, params, per_source
 
 JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
 
@@ -52,7 +52,7 @@ class SyntheticCheckpoint:
 
     def __init__(self, decoder, config: dict):
         self.config = config
-        self.shapes = {p.source: p.get_value().shape for p in params(decoder)}
+        self.shapes = {name: a.shape for p in params(decoder) for name, a in per_source(p, p.get_value())}
         self.pattern = (np.random.default_rng(0).standard_normal(1 << 20) * 0.02).astype(np.float32)
 
     def get(self, name: str) -> np.ndarray:
@@ -131,7 +131,7 @@ def gemm_peaks() -> dict:
 
 def linear_params(decoder) -> int:
     """Parameters of the decoder layers' linear projections (what model-FLOPs utilisation counts)."""
-    return sum(math.prod(p.get_value().shape) for p in params(decoder.layers) if p.kind is Kind.LINEAR)
+    return sum(math.prod(p.get_value().shape) for p in params(decoder.stacks) if p.kind is Kind.LINEAR)
 
 
 def report(questions: int, tokens: int, seconds: float, peak_gib: float, params: int, peaks: dict) -> dict:

@@ -29,7 +29,7 @@ from safetensors.numpy import save_file
 
 from spinf_jax import export
 from spinf_jax.models import abstract_decoder
-from spinf_jax.models.params import params
+from spinf_jax.models.params import params, per_source
 from spinf_jax.quant import Precision
 
 
@@ -64,14 +64,14 @@ def write_source(folder: Path, shard_bytes: int = 2 * 10**9) -> int:
     pattern = (np.random.default_rng(0).standard_normal(1 << 22) * 0.02).astype(np.float32)
     shards, shard, used, total = [], {}, 0, 0
     for param in params(decoder):
-        shape = param.get_value().shape
-        w = np.resize(pattern, shape).astype(ml_dtypes.bfloat16)
-        if used and used + w.nbytes > shard_bytes:
-            shards.append(shard)
-            shard, used = {}, 0
-        shard[param.source] = w
-        used += w.nbytes
-        total += w.nbytes
+        for source, value in per_source(param, param.get_value()):
+            w = np.resize(pattern, value.shape).astype(ml_dtypes.bfloat16)
+            if used and used + w.nbytes > shard_bytes:
+                shards.append(shard)
+                shard, used = {}, 0
+            shard[source] = w
+            used += w.nbytes
+            total += w.nbytes
     shards.append(shard)
     weight_map = {}
     for i, tensors in enumerate(shards):

@@ -120,17 +120,18 @@ print("top", combined["top"], "agreement", round(combined["agreement"], 2))
 # %% [markdown]
 # ## Look inside a layer
 #
-# The model is a Flax NNX module. Its weights are `nnx.Param`s that name the checkpoint tensor they were read
-# from and their kind (which decides how they are stored at each precision).
+# The model is a Flax NNX module. Its weights are `nnx.Param`s that name the checkpoint tensors they were read
+# from and their kind (which decides how they are stored at each precision). Layers of one kind are stacked
+# (their programs scan over them): `decoder.layer(i)` is the module holding layer i's weights and its row.
 
 # %%
 decoder = engine.model.decoder
-print(type(decoder).__name__, len(decoder.layers), "layers,", decoder.config.hidden_size, "wide")
-layer = decoder.layers[3]
+print(type(decoder).__name__, decoder.num_layers, "layers,", decoder.config.hidden_size, "wide")
+layer, m = decoder.layer(3)
 for name in ("q", "k", "v", "o", "gate", "up", "down", "input_norm"):
     param = getattr(layer, name)
-    value = param.get_value()
-    print(f"{name:>10}  {param.source:<45} {param.kind:<6} {value.shape} {value.dtype}")
+    value = param.get_value()[m]
+    print(f"{name:>10}  {param.source[m]:<45} {param.kind:<6} {value.shape} {value.dtype}")
 
 # %% [markdown]
 # ## Capture hidden states

@@ -113,12 +113,12 @@ def _score_pass(weights, batch: TreeBatch, reads, *, graphdef, row_tile):
 @partial(jax.jit, static_argnames=("graphdef", "row_tile"))
 def _extract_pass(weights, batch: TreeBatch, reads, *, graphdef, row_tile):
     """_score_pass, and what decoding the pass's extraction slots continues from: the final hidden state at
-    every read row [max_reads, D] and every layer's keys and values [T, K, D] (None for a layer that reads
-    another's). A second program, so that passes without extraction slots keep their outputs small."""
+    every read row [max_reads, D] and the layers' keys and values (Decoder.forward: [repeats, T, K, D] per
+    stack and position, None for layers that read another's). A second program, so that passes without
+    extraction slots keep their outputs small."""
     decoder = nnx.merge(graphdef, weights)
     hidden, kv = decoder.forward(batch, row_tile)
-    cache = tuple(layer_kv if decoder.kv_source(i) == i else None for i, layer_kv in enumerate(kv))
-    return (*_read(decoder, hidden, *reads, row_tile), hidden[reads[0]], cache)
+    return (*_read(decoder, hidden, *reads, row_tile), hidden[reads[0]], kv)
 
 
 def _choose(decoder, hidden, kind, closing_first, ends, forced, masks, tile):
@@ -167,13 +167,11 @@ def _decode_step(weights, cache, history, masks, batch_arrays, kind, closing_fir
     )  # fmt: skip
     hidden, kv = decoder.forward(batch, tile)
 
-    def write(column, new):  # [G, S, W, K, D], [R, K, D]
-        return jax.lax.dynamic_update_index_in_dim(column, new.reshape(g, width, *new.shape[1:]), step, 1)
+    def write(column, new):  # [repeats, G, S, W, K, D], [repeats, R, K, D]
+        new = new.reshape(new.shape[0], g, width, *new.shape[2:])
+        return jax.lax.dynamic_update_index_in_dim(column, new, step, 2)
 
-    history = tuple(
-        None if h is None else (write(h[0], layer_kv[0]), write(h[1], layer_kv[1]))
-        for h, layer_kv in zip(history, kv, strict=True)
-    )
+    history = jax.tree.map(write, history, kv)
     return (*_choose(decoder, hidden, kind, closing_first, ends, forced, masks, tile), history)
 
 
@@ -410,12 +408,8 @@ class Engine:
         """Decode steps over one group of slots of one width until every search is done."""
         n = self._rows(len(searches) * width)
         g, steps = n // width, HISTORY_STEPS[width]
-        history = tuple(
-            None
-            if layer is None
-            else tuple(jnp.zeros((g, steps, width, *a.shape[1:]), a.dtype) for a in layer)
-            for layer in cache
-        )
+        # [repeats, T, K, D] keys or values of the pass → [repeats, G, S, W, K, D] of the steps
+        history = jax.tree.map(lambda a: jnp.zeros((len(a), g, steps, width, *a.shape[2:]), a.dtype), cache)
         groups = np.zeros((4, g), np.int32)
         groups[:, : len(places)] = np.array([p[:4] for p in places]).T
         kind, closing_first, ends = self._row_rules([s.extract for s in searches], n, width)

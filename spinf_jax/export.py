@@ -31,7 +31,7 @@ from spinf_jax import parity
 from spinf_jax.checkpoint import GGUFFile
 from spinf_jax.loader import checkpoint_digest, load_model, open_checkpoint, resolve, stored_weights
 from spinf_jax.models import abstract_decoder
-from spinf_jax.models.params import Kind, nbytes, params
+from spinf_jax.models.params import Kind, nbytes, params, per_source, sources
 from spinf_jax.quant import Precision, QuantArray
 from spinf_jax.quantized import SCALE_SUFFIX, quantization_config
 from spinf_jax.tokenizer import Tokenizer
@@ -108,15 +108,23 @@ def quantize(spec: str, precision: Precision | str, out: Path, *, shard_bytes: i
 
 
 def _shards(decoder, shard_bytes: int) -> list[int]:
-    """Each Param's shard, in order: a shard ends where the next tensor would take it past shard_bytes."""
+    """Each checkpoint tensor's shard, in the order of `_tensors`: a shard ends where the next tensor would take
+    it past shard_bytes."""
     plan, shard, used = [], 0, 0
     for param in params(decoder):
-        size = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(param.get_value()))
-        if used and used + size > shard_bytes:
-            shard, used = shard + 1, 0
-        plan.append(shard)
-        used += size
+        for _, value in per_source(param, param.get_value()):
+            size = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(value))
+            if used and used + size > shard_bytes:
+                shard, used = shard + 1, 0
+            plan.append(shard)
+            used += size
     return plan
+
+
+def _tensors(decoder, checkpoint):
+    """(name, stored value) of each checkpoint tensor, a layer of a stacked Param at a time."""
+    for param, stacked in stored_weights(decoder, checkpoint):
+        yield from per_source(param, stacked)
 
 
 def write_weights(decoder, checkpoint, out: Path, shard_bytes: int = SHARD_BYTES) -> int:
@@ -129,12 +137,12 @@ def write_weights(decoder, checkpoint, out: Path, shard_bytes: int = SHARD_BYTES
         for i in range(count)
     ]
     weight_map, total = {}, 0
-    made = zip(plan, stored_weights(decoder, checkpoint), strict=True)
+    made = zip(plan, _tensors(decoder, checkpoint), strict=True)
     for shard, group in itertools.groupby(made, key=lambda item: item[0]):
         tensors = {}
-        for _, (param, value) in group:
+        for _, (source, value) in group:
             quantized = isinstance(value, QuantArray)
-            keys = [param.source, param.source + SCALE_SUFFIX] if quantized else [param.source]
+            keys = [source, source + SCALE_SUFFIX] if quantized else [source]
             for key, array in zip(keys, jax.tree.leaves(value), strict=True):
                 tensors[key] = np.asarray(array)
                 total += tensors[key].nbytes
@@ -246,7 +254,7 @@ def _source(checkpoint) -> str:
 def model_card(report: dict, checkpoint, decoder, digest: str) -> str:
     p = Precision(report["precision"])
     fp8 = p is Precision.FP8
-    by_kind = {kind: [w.source for w in params(decoder) if w.kind is kind] for kind in Kind}
+    by_kind = {kind: [n for w in params(decoder) if w.kind is kind for n in sources(w)] for kind in Kind}
     stored = (
         f"{'float8_e4m3fn' if fp8 else 'int8'} [out, in] + `weight_scale` f32 [out]: absmax of the row / "
     )

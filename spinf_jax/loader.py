@@ -20,7 +20,7 @@ from spinf_jax.checkpoint import GGUFFile, SafetensorsFolder
 from spinf_jax.models import abstract_decoder
 from spinf_jax.models.decoder import Decoder, hidden_states, split
 from spinf_jax.models.layers import TreeBatch
-from spinf_jax.models.params import Kind, params, stored_as
+from spinf_jax.models.params import Kind, params, per_source, stored_as
 from spinf_jax.progress import Progress, Steps
 from spinf_jax.quant import Precision, QuantArray, Weight, quantize
 from spinf_jax.quantized import SCALE_SUFFIX, written_precision
@@ -106,16 +106,15 @@ def _final(w: jax.Array, kind: Kind, precision: Precision) -> Weight:
     return jax.block_until_ready(_to_final(w, stored_as(kind, precision)))
 
 
-def _as_written(param: nnx.Param, w, checkpoint) -> Weight:
+def _as_written(source: str, expected: Weight, w, checkpoint) -> Weight:
     """A tensor of a checkpoint in the stored form (spinf_jax.quantized), put on the device as it is: it must
-    already have the dtype and shape the engine keeps it in."""
-    expected = param.get_value()
+    already have the dtype and shape the engine keeps it in (`expected`)."""
     quantized = isinstance(expected, QuantArray)
-    value = QuantArray(w, checkpoint.get(param.source + SCALE_SUFFIX)) if quantized else w
+    value = QuantArray(w, checkpoint.get(source + SCALE_SUFFIX)) if quantized else w
     for got, want in zip(jax.tree.leaves(value), jax.tree.leaves(expected), strict=True):
         if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
             raise ValueError(
-                f"{param.source}: stored as {got.dtype}{list(got.shape)}, the engine keeps it as "
+                f"{source}: stored as {got.dtype}{list(got.shape)}, the engine keeps it as "
                 f"{want.dtype}{list(want.shape)}"
             )
     return jax.block_until_ready(jax.tree.map(jnp.asarray, value))
@@ -134,14 +133,21 @@ def stored_weights(decoder: Decoder, checkpoint) -> Iterator[tuple[nnx.Param, We
             f"{written.value!r} (it holds no full-precision weights to make {decoder.precision.value} from)"
         )
     for param in params(decoder):
-        w = checkpoint.get(param.source)
-        expected = tuple(param.get_value().shape)
-        if tuple(w.shape) != expected:
-            raise ValueError(f"{param.source}: checkpoint shape {tuple(w.shape)} != expected {expected}")
-        if written is None:
-            yield param, _final(jnp.asarray(w), param.kind, decoder.precision)
-        else:
-            yield param, _as_written(param, w, checkpoint)
+        layers = []  # one per source: a layer's weight of a stack, or the one tensor
+        for source, expected in per_source(param, param.get_value()):
+            w = checkpoint.get(source)
+            if tuple(w.shape) != tuple(expected.shape):
+                raise ValueError(f"{source}: checkpoint shape {tuple(w.shape)} != expected {expected.shape}")
+            if written is None:
+                layers.append(_final(jnp.asarray(w), param.kind, decoder.precision))
+            else:
+                layers.append(_as_written(source, expected, w, checkpoint))
+        yield param, _stack(layers) if isinstance(param.source, tuple) else layers[0]
+
+
+@jax.jit
+def _stack(layers: list[Weight]) -> Weight:
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
 
 
 def load_weights(decoder: Decoder, checkpoint, progress: Progress | None = None) -> None:

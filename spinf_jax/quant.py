@@ -31,7 +31,7 @@ class Precision(StrEnum):
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QuantArray:
-    values: jax.Array  # [out, in] float8_e4m3fn or int8
+    values: jax.Array  # [out, in] float8_e4m3fn or int8 ([layers, out, in] for stacked layers)
     scale: jax.Array  # [out] float32: row r of the real weight is values[r] * scale[r]
 
     @property
@@ -43,17 +43,18 @@ Weight = jax.Array | QuantArray
 
 
 def quantize(w: jax.Array, precision: Precision) -> Weight:
-    """Cast or quantize one [out, in] weight (or [vocab, hidden] embedding) to its stored form."""
+    """Cast or quantize one [..., out, in] weight (or [vocab, hidden] embedding) to its stored form: one scale
+    per output row."""
     if precision in (Precision.FP32, Precision.BF16):
         return w.astype(precision.activation_dtype)
     w = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w), axis=-1)
     if precision is Precision.FP8:
         scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-        values = (w / scale[:, None]).astype(jnp.float8_e4m3fn)
+        values = (w / scale[..., None]).astype(jnp.float8_e4m3fn)
     else:
         scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
-        values = jnp.clip(jnp.round(w / scale[:, None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+        values = jnp.clip(jnp.round(w / scale[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     return QuantArray(values, scale)
 
 

@@ -64,11 +64,13 @@ def test_hub_id_from_offline_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
 def test_quantized_weights_are_data(precision, family):
     model = load_model(str(TINY / family), precision)
-    layer = model.decoder.layers[0]
+    layer, _ = model.decoder.layer(0)
     q = layer.q.get_value()
     assert isinstance(q, QuantArray)
     assert q.values.dtype == (jnp.float8_e4m3fn if precision == "fp8" else jnp.int8)
-    assert q.values.shape == (4 * 32, 64) and q.scale.shape == (128,)  # [out, in], one scale per out row
+    # [layers stacked, out, in], one scale per out row of each layer
+    repeats = len(layer.q.source)
+    assert q.values.shape == (repeats, 4 * 32, 64) and q.scale.shape == (repeats, 128)
     assert layer.input_norm.get_value().dtype == jnp.float32
     assert model.decoder.embed.get_value().dtype == jnp.bfloat16  # the LM head stays bf16 (see loader)
     leaves = jax.tree.leaves(nnx.state(model.decoder, nnx.Param))

@@ -4,7 +4,6 @@ layers to index, and hidden states captured on request."""
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -13,7 +12,7 @@ from safetensors import safe_open
 from spinf_jax.loader import load_model
 from spinf_jax.models import Gemma3, Gemma4, Llama, abstract_decoder, family_for
 from spinf_jax.models.layers import TreeBatch
-from spinf_jax.models.params import Kind, params
+from spinf_jax.models.params import Kind, params, per_source
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 FAMILIES = ["gemma3", "qwen3", "qwen2", "llama", "gemma4", "gemma4-e2b", "gemma4-keqv"]
@@ -28,7 +27,9 @@ def test_params_are_exactly_the_checkpoint_tensors(family):
     with safe_open(TINY / family / "model.safetensors", "numpy") as f:
         names = f.keys()
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
-    declared = {p.source: tuple(p.get_value().shape) for p in params(decoder)}
+    declared = {
+        name: tuple(part.shape) for p in params(decoder) for name, part in per_source(p, p.get_value())
+    }
     assert declared == shapes
     assert all(isinstance(p.kind, Kind) for p in params(decoder))
 
@@ -51,7 +52,7 @@ def test_hidden_states_capture(family):
     batch = TreeBatch.sequence(tokens)
     rows = np.array([0, 3, 6], np.int32)
     states = np.asarray(model.hidden_states(batch, rows))
-    assert states.shape == (len(decoder.layers) + 1, 3, decoder.config.hidden_size)
+    assert states.shape == (decoder.num_layers + 1, 3, decoder.config.hidden_size)
     np.testing.assert_array_equal(states[-1], np.asarray(model.hidden(batch))[rows])
     table = np.asarray(decoder.embed.get_value())[np.array(tokens)[rows]]
     scale = np.sqrt(decoder.config.hidden_size, dtype=np.float32) if family.startswith("gemma") else 1.0
@@ -67,8 +68,9 @@ def test_a_layer_can_be_inspected_and_changed():
     model = load_model(str(TINY / "qwen3"), "fp32")
     batch = TreeBatch.sequence([2, 17, 93, 41])
     before = np.asarray(model.hidden(batch))
-    layer = model.decoder.layers[1]
-    assert layer.q.source == "model.layers.1.self_attn.q_proj.weight" and layer.q.kind is Kind.LINEAR
-    layer.down.set_value(jnp.zeros_like(layer.down.get_value()))  # silence layer 1's MLP
+    layer, m = model.decoder.layer(1)  # layer 1's weights are row m of its stack's
+    assert layer.q.source[m] == "model.layers.1.self_attn.q_proj.weight" and layer.q.kind is Kind.LINEAR
+    assert layer.q.get_value()[m].shape == (128, 64)  # [out, in]
+    layer.down.set_value(layer.down.get_value().at[m].set(0))  # silence layer 1's MLP
     after = np.asarray(model.hidden(batch))
     assert np.abs(after - before).max() > 1e-3

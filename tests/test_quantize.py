@@ -40,7 +40,7 @@ def test_written_weights_are_the_weights_quantized_at_load(tmp_path, family, pre
     read from shards of at most 40 kB (a larger tensor alone in its shard) listed in the index."""
     out = _write(family, precision, tmp_path / "q", shard_bytes=40_000)
     written, at_load = load_model(str(out), precision), load_model(str(TINY / family), precision)
-    assert isinstance(written.decoder.layers[0].q.get_value(), QuantArray)
+    assert isinstance(written.decoder.layer(0)[0].q.get_value(), QuantArray)
     for got, want in zip(_weights(written), _weights(at_load), strict=True):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))

@@ -7,6 +7,7 @@ layers; GeGLU (tanh gelu); tied embeddings.
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 from flax import nnx
@@ -25,7 +26,7 @@ from spinf_jax.models.layers import (
     gelu_tanh,
     rms_norm,
 )
-from spinf_jax.models.params import Kind, weight
+from spinf_jax.models.params import Kind, layer_weight
 from spinf_jax.quant import Precision, embed, linear
 
 
@@ -81,30 +82,34 @@ class Config:
 
 
 class Layer(nnx.Module):
-    def __init__(self, cfg: Config, i: int, precision: Precision):
-        d, f, hd, p = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, f"model.layers.{i}."
-        self.cfg, self.i = cfg, i
-        self.sliding = cfg.layer_types[i] == SLIDING
-        self.input_norm = weight((d,), p + "input_layernorm.weight", Kind.NORM, precision)
-        self.q = weight((cfg.num_heads * hd, d), p + "self_attn.q_proj.weight", Kind.LINEAR, precision)
-        self.k = weight((cfg.num_kv_heads * hd, d), p + "self_attn.k_proj.weight", Kind.LINEAR, precision)
-        self.v = weight((cfg.num_kv_heads * hd, d), p + "self_attn.v_proj.weight", Kind.LINEAR, precision)
-        self.o = weight((d, cfg.num_heads * hd), p + "self_attn.o_proj.weight", Kind.LINEAR, precision)
-        self.q_norm = weight((hd,), p + "self_attn.q_norm.weight", Kind.NORM, precision)
-        self.k_norm = weight((hd,), p + "self_attn.k_norm.weight", Kind.NORM, precision)
-        self.post_attn_norm = weight((d,), p + "post_attention_layernorm.weight", Kind.NORM, precision)
-        self.pre_mlp_norm = weight((d,), p + "pre_feedforward_layernorm.weight", Kind.NORM, precision)
-        self.gate = weight((f, d), p + "mlp.gate_proj.weight", Kind.LINEAR, precision)
-        self.up = weight((f, d), p + "mlp.up_proj.weight", Kind.LINEAR, precision)
-        self.down = weight((d, f), p + "mlp.down_proj.weight", Kind.LINEAR, precision)
-        self.post_mlp_norm = weight((d,), p + "post_feedforward_layernorm.weight", Kind.NORM, precision)
+    """Layers `ids` (all of one type), their weights stacked (models.decoder.Stack)."""
+
+    def __init__(self, cfg: Config, ids: tuple[int, ...], precision: Precision):
+        d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        w = partial(layer_weight, ids, precision)
+
+        self.cfg = cfg
+        self.sliding = cfg.layer_types[ids[0]] == SLIDING
+        self.input_norm = w((d,), "input_layernorm.weight", Kind.NORM)
+        self.q = w((cfg.num_heads * hd, d), "self_attn.q_proj.weight", Kind.LINEAR)
+        self.k = w((cfg.num_kv_heads * hd, d), "self_attn.k_proj.weight", Kind.LINEAR)
+        self.v = w((cfg.num_kv_heads * hd, d), "self_attn.v_proj.weight", Kind.LINEAR)
+        self.o = w((d, cfg.num_heads * hd), "self_attn.o_proj.weight", Kind.LINEAR)
+        self.q_norm = w((hd,), "self_attn.q_norm.weight", Kind.NORM)
+        self.k_norm = w((hd,), "self_attn.k_norm.weight", Kind.NORM)
+        self.post_attn_norm = w((d,), "post_attention_layernorm.weight", Kind.NORM)
+        self.pre_mlp_norm = w((d,), "pre_feedforward_layernorm.weight", Kind.NORM)
+        self.gate = w((f, d), "mlp.gate_proj.weight", Kind.LINEAR)
+        self.up = w((f, d), "mlp.up_proj.weight", Kind.LINEAR)
+        self.down = w((d, f), "mlp.down_proj.weight", Kind.LINEAR)
+        self.post_mlp_norm = w((d,), "post_feedforward_layernorm.weight", Kind.NORM)
 
     def __call__(self, x: jax.Array, batch: Batch, row_tile: int | None):
         """→ (the residual stream after this layer, the keys and values it attended with)."""
         cfg = self.cfg
         q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
         scale, window = cfg.query_pre_attn_scalar**-0.5, cfg.sliding_window if self.sliding else None
-        attn = attention(q, k, v, batch, self.i, scale=scale, window=window)
+        attn = attention(q, k, v, batch, scale=scale, window=window)
         return by_rows(self._after_attention, row_tile, x, attn), (k, v)
 
     def _qkv(self, x, positions):
@@ -130,8 +135,9 @@ class Gemma3(Decoder):
     Config = Config
 
     def __init__(self, cfg: Config, precision: Precision):
-        layers = [Layer(cfg, i, precision) for i in range(cfg.num_layers)]
-        super().__init__(cfg, precision, layers, tied=True, softcap=cfg.final_logit_softcapping)
+        make_layer = partial(Layer, cfg, precision=precision)
+        types = list(cfg.layer_types)  # a sliding and a global layer differ in window and rope
+        super().__init__(cfg, precision, make_layer, types, tied=True, softcap=cfg.final_logit_softcapping)
 
     def _embed(self, tokens):
         dtype = self.precision.activation_dtype

@@ -14,6 +14,7 @@ The MoE variant (enable_moe_block, 26B-A4B) is not supported: loading it is refu
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 from flax import nnx
 
@@ -31,7 +32,7 @@ from spinf_jax.models.layers import (
     gelu_tanh,
     rms_norm,
 )
-from spinf_jax.models.params import Kind, weight
+from spinf_jax.models.params import Kind, layer_weight, weight
 from spinf_jax.quant import Precision, embed, linear
 
 
@@ -124,15 +125,16 @@ class Config:
 
 
 class Layer(nnx.Module):
-    def __init__(self, cfg: Config, i: int, precision: Precision):
-        d, hd, kv, n = cfg.hidden_size, cfg.head_dims[i], cfg.kv_heads[i], f"model.layers.{i}."
-        self.cfg, self.i = cfg, i
+    """Layers `ids` (of one signature: Gemma4.signature), their weights stacked (models.decoder.Stack)."""
+
+    def __init__(self, cfg: Config, ids: tuple[int, ...], precision: Precision):
+        i = ids[0]
+        d, hd, kv = cfg.hidden_size, cfg.head_dims[i], cfg.kv_heads[i]
+        self.cfg, self.head_dim, self.kv_heads = cfg, hd, kv
         self.sliding = cfg.layer_types[i] == SLIDING
         shared = cfg.kv_source(i) != i
         f = cfg.intermediate_size * (2 if shared and cfg.double_wide_mlp else 1)
-
-        def w(shape, name, kind, present=True):
-            return weight(shape, n + name, kind, precision, present)
+        w = partial(layer_weight, ids, precision)
 
         self.input_norm = w((d,), "input_layernorm.weight", Kind.NORM)
         self.q = w((cfg.num_heads * hd, d), "self_attn.q_proj.weight", Kind.LINEAR)
@@ -155,27 +157,29 @@ class Layer(nnx.Module):
         self.pl_norm = w((d,), "post_per_layer_input_norm.weight", Kind.NORM, pl > 0)
 
     def __call__(self, x, batch: Batch, row_tile: int | None, per_layer, shared_kv):
-        """→ (the residual stream after this layer, the keys and values it attended with). shared_kv: for a
-        KV-shared layer, its source layer's (keys, values), else None; per_layer: its [T, P] input or None."""
+        """→ (the residual stream after this layer, the keys and values it computed, or None for a KV-shared
+        layer). shared_kv: for a KV-shared layer, its source layer's (keys, values), else None; per_layer:
+        its [T, P] input or None."""
         q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
-        if k is None:
+        own = k is not None
+        if not own:
             k, v = shared_kv
         window = self.cfg.sliding_window if self.sliding else None
-        attn = attention(q, k, v, batch, self.cfg.kv_source(self.i), scale=1.0, window=window)
+        attn = attention(q, k, v, batch, scale=1.0, window=window)
         rows = (x, attn) if per_layer is None else (x, attn, per_layer)
-        return by_rows(self._after_attention, row_tile, *rows), (k, v)
+        return by_rows(self._after_attention, row_tile, *rows), (k, v) if own else None
 
     def _qkv(self, x, positions):
         """Row-local: queries [T, H, hd] and, unless this layer reads another layer's, keys and values."""
-        cfg, t, hd = self.cfg, x.shape[0], self.cfg.head_dims[self.i]
+        cfg, t, hd = self.cfg, x.shape[0], self.head_dim
         rope = cfg.rope_local if self.sliding else cfg.rope_global
         h = _norm(x, self.input_norm, cfg)
         q = _norm(linear(h, self.q.get_value()).reshape(t, cfg.num_heads, hd), self.q_norm, cfg)
         q = apply_rope(q, positions, rope)
         if self.k is None:
             return q, None, None
-        k = linear(h, self.k.get_value()).reshape(t, cfg.kv_heads[self.i], hd)
-        v = k if self.v is None else linear(h, self.v.get_value()).reshape(t, cfg.kv_heads[self.i], hd)
+        k = linear(h, self.k.get_value()).reshape(t, self.kv_heads, hd)
+        v = k if self.v is None else linear(h, self.v.get_value()).reshape(t, self.kv_heads, hd)
         k = apply_rope(_norm(k, self.k_norm, cfg), positions, rope)
         return q, k, _norm(v, None, cfg)
 
@@ -196,8 +200,10 @@ class Gemma4(Decoder):
     Config = Config
 
     def __init__(self, cfg: Config, precision: Precision):
-        layers = [Layer(cfg, i, precision) for i in range(cfg.num_layers)]
-        super().__init__(cfg, precision, layers, tied=cfg.tie_embeddings, softcap=cfg.final_logit_softcapping)
+        make_layer = partial(Layer, cfg, precision=precision)
+        signatures = [self.signature(cfg, i) for i in range(cfg.num_layers)]
+        tied, softcap = cfg.tie_embeddings, cfg.final_logit_softcapping
+        super().__init__(cfg, precision, make_layer, signatures, tied=tied, softcap=softcap)
         pl, width = cfg.per_layer_size, cfg.num_layers * cfg.per_layer_size
 
         def w(shape, name, kind):  # the per-layer input weights, in E2B/E4B only
@@ -207,20 +213,20 @@ class Gemma4(Decoder):
         self.pl_model_proj = w((width, cfg.hidden_size), "per_layer_model_projection.weight", Kind.LINEAR)
         self.pl_proj_norm = w((pl,), "per_layer_projection_norm.weight", Kind.NORM)
 
-    def forward(self, batch: Batch, row_tile: int | None = None, capture=None):
-        x, per_layer = by_rows(self._embed, row_tile, batch.tokens)
-        kv = []  # per layer, the (keys, values) it attended with (XLA frees what no later layer reads)
-        for i, layer in enumerate(self.layers):
-            self._record(x, capture)
-            shared = kv[self.config.kv_source(i)] if self.config.kv_source(i) != i else None
-            x, layer_kv = layer(x, batch, row_tile, None if per_layer is None else per_layer[:, i], shared)
-            kv.append(layer_kv)
-        return self._finish(x, row_tile, capture), kv
+    @staticmethod
+    def signature(cfg: Config, i: int) -> tuple:
+        """What layer i's program depends on: its type, shapes, and the layer whose keys it reads."""
+        source = cfg.kv_source(i)
+        return cfg.layer_types[i], cfg.head_dims[i], cfg.kv_heads[i], None if source == i else source
+
+    @staticmethod
+    def _call_layer(layer, x, batch, row_tile, per_layer, shared_kv):
+        return layer(x, batch, row_tile, per_layer, shared_kv)
 
     def kv_source(self, i: int) -> int:
         return self.config.kv_source(i)
 
-    def _embed(self, tokens):
+    def _inputs(self, tokens):
         """Row-local: the input embedding [T, hidden] and, with per-layer inputs, every layer's [T, L, P]."""
         cfg, dtype = self.config, self.precision.activation_dtype
         x = embed(tokens, self.embed.get_value(), dtype) * embedding_scale(cfg.hidden_size, dtype)

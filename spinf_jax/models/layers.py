@@ -81,8 +81,10 @@ class DecodeBatch:
     """One decode step: a token per beam hypothesis of G extraction slots, W hypotheses each (rows [G × W],
     group-major), continuing from a tree pass's keys and values (pallas_kernels.decode_attention).
 
-    `cache` holds, per layer, the pass's (keys, values) [T, kv_heads, head_dim]; `history`, per layer, those
-    of the earlier decode steps [G, S, W, kv_heads, head_dim] (None for a layer that reads another layer's).
+    `cache` holds the pass's (keys, values) [T, kv_heads, head_dim] and `history` those of the earlier decode
+    steps [G, S, W, kv_heads, head_dim]: for the whole model in the structure of Decoder.forward's keys and
+    values (per stack, per position, stacked over the repeats; None for layers that read another layer's),
+    and as one layer sees them, that layer's (or its source's) own.
     """
 
     tokens: jax.Array  # [R] int32: the token each hypothesis feeds now
@@ -102,18 +104,17 @@ class DecodeBatch:
 Batch = TreeBatch | DecodeBatch
 
 
-def attention(q, k, v, batch: Batch, layer: int, *, scale: float, window: int | None = None) -> jax.Array:
+def attention(q, k, v, batch: Batch, *, scale: float, window: int | None = None) -> jax.Array:
     """q [T, H, D], k/v [T, K, D] → [T, H, D]. In a tree pass: the tree mask of `batch`, by the Pallas kernel
-    on GPUs and its pure-JAX twin (the same visiting order) elsewhere. In a decode step: the pass's keys of
-    `layer` (the layer whose keys this one reads), then the step's history (Pallas on GPUs, pure JAX
-    elsewhere)."""
+    on GPUs and its pure-JAX twin (the same visiting order) elsewhere. In a decode step: the pass's keys in
+    `batch.cache`, then the step's history (Pallas on GPUs, pure JAX elsewhere)."""
     b = batch
     with jax.named_scope("attention"):  # names the ops in device profiles (here and below)
         if isinstance(b, DecodeBatch):
             groups = (b.tree_start, b.trunk_end, b.branch_start, b.slot_end, b.path, b.step)
             decode = decode_attention.kernel if jax.default_backend() == "gpu" else decode_attention.blockwise
             return decode(
-                q, k, v, *b.cache[layer], *b.history[layer], b.positions, *groups,
+                q, k, v, *b.cache, *b.history, b.positions, *groups,
                 scale=scale, window=window, block=b.block, group_tile=b.group_tile,
             )  # fmt: skip
         args = (q, k, v, b.positions, b.span_end, b.trunk_end, b.branch_start, b.tree_start_block)

@@ -6,13 +6,14 @@ Qwen3: Llama plus a per-head RMSNorm on q and k before rope.
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 from flax import nnx
 
 from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.layers import Batch, Rope, apply_rope, attention, by_rows, gated_mlp, rms_norm
-from spinf_jax.models.params import Kind, weight
+from spinf_jax.models.params import Kind, layer_weight
 from spinf_jax.quant import Precision, embed, linear
 
 MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -61,14 +62,14 @@ class Config:
 
 
 class Layer(nnx.Module):
-    def __init__(self, cfg: Config, i: int, precision: Precision):
-        d, f, hd, p = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, f"model.layers.{i}."
+    """Layers `ids`, their weights stacked (models.decoder.Stack)."""
+
+    def __init__(self, cfg: Config, ids: tuple[int, ...], precision: Precision):
+        d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        w = partial(layer_weight, ids, precision)
 
-        def w(shape, name, kind, present=True):
-            return weight(shape, p + name, kind, precision, present)
-
-        self.cfg, self.i = cfg, i
+        self.cfg = cfg
         self.input_norm = w((d,), "input_layernorm.weight", Kind.NORM)
         self.q = w((q_out, d), "self_attn.q_proj.weight", Kind.LINEAR)
         self.k = w((kv_out, d), "self_attn.k_proj.weight", Kind.LINEAR)
@@ -87,7 +88,7 @@ class Layer(nnx.Module):
     def __call__(self, x: jax.Array, batch: Batch, row_tile: int | None):
         """→ (the residual stream after this layer, the keys and values it attended with)."""
         q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
-        attn = attention(q, k, v, batch, self.i, scale=self.cfg.head_dim**-0.5)
+        attn = attention(q, k, v, batch, scale=self.cfg.head_dim**-0.5)
         return by_rows(self._after_attention, row_tile, x, attn), (k, v)
 
     def _project(self, x, w: nnx.Param, bias: nnx.Param | None, heads: int):
@@ -118,8 +119,9 @@ class Llama(Decoder):
     Config = Config
 
     def __init__(self, cfg: Config, precision: Precision):
-        layers = [Layer(cfg, i, precision) for i in range(cfg.num_layers)]
-        super().__init__(cfg, precision, layers, tied=cfg.tie_embeddings, softcap=None)
+        make_layer = partial(Layer, cfg, precision=precision)
+        same = [0] * cfg.num_layers  # every layer has the same program
+        super().__init__(cfg, precision, make_layer, same, tied=cfg.tie_embeddings, softcap=None)
 
     def _embed(self, tokens):
         return embed(tokens, self.embed.get_value(), self.precision.activation_dtype)

@@ -3,6 +3,7 @@ and its `kind`, which decides the form it is kept in at a given precision. A fam
 in its modules' constructors; the model is built abstractly (`nnx.eval_shape`) and loaders fill it."""
 
 from enum import StrEnum
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -30,20 +31,50 @@ def stored_as(kind: Kind, precision: Precision) -> Precision:
 
 
 def weight(
-    shape: tuple[int, ...], source: str, kind: Kind, precision: Precision, present: bool = True
+    shape: tuple[int, ...], source: str | tuple, kind: Kind, precision: Precision, present: bool = True
 ) -> nnx.Param | None:
     """A Param of the given shape in its stored form, filled with zeros: build models under nnx.eval_shape,
     where this allocates nothing, then fill each Param from a checkpoint (spinf_jax.loader). A weight the
-    configuration does not have (present=False) is None."""
+    configuration does not have (present=False) is None.
+
+    source: the checkpoint tensor's name, or a tuple of names for the same weight of several layers, stacked
+    along a new leading axis ([len(source), *shape]: models.decoder.Stack scans over it)."""
     if not present:
         return None
+    if isinstance(source, tuple):
+        shape = (len(source), *shape)
     form = stored_as(kind, precision)
     if form in (Precision.FP32, Precision.BF16):
         value = jnp.zeros(shape, form.activation_dtype)
     else:
         values = jnp.zeros(shape, jnp.float8_e4m3fn if form is Precision.FP8 else jnp.int8)
-        value = QuantArray(values, jnp.ones(shape[:1], jnp.float32))
+        value = QuantArray(values, jnp.ones(shape[:-1], jnp.float32))
     return nnx.Param(value, source=source, kind=kind)
+
+
+def layer_weight(
+    ids: tuple, precision: Precision, shape: tuple[int, ...], name: str, kind: Kind, present: bool = True
+) -> nnx.Param | None:
+    """Weight `name` of layers `ids` (Hugging Face's model.layers.{i}.name), stacked [len(ids), *shape]."""
+    return weight(shape, tuple(f"model.layers.{i}.{name}" for i in ids), kind, precision, present)
+
+
+def sources(param: nnx.Param) -> tuple[str, ...]:
+    """The checkpoint tensors a Param holds: its one, or one per stacked layer."""
+    return param.source if isinstance(param.source, tuple) else (param.source,)
+
+
+def per_source(param: nnx.Param, value) -> list[tuple[str, object]]:
+    """A Param's value (or one shaped like it) as (checkpoint name, that tensor's part) pairs."""
+    if not isinstance(param.source, tuple):
+        return [(param.source, value)]
+    return [(name, jax.tree.map(partial(_layer, i=i), value)) for i, name in enumerate(param.source)]
+
+
+def _layer(a, i: int):
+    if isinstance(a, jax.ShapeDtypeStruct):  # an abstract model's
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+    return a[i]
 
 
 def params(module: nnx.Module) -> list[nnx.Param]:

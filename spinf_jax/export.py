@@ -108,8 +108,8 @@ def quantize(spec: str, precision: Precision | str, out: Path, *, shard_bytes: i
 
 
 def _shards(decoder, shard_bytes: int) -> list[int]:
-    """Each checkpoint tensor's shard, in the order of `_tensors`: a shard ends where the next tensor would take
-    it past shard_bytes."""
+    """Each checkpoint tensor's shard, in the order of `_tensors`: a shard ends where the next tensor would
+    take it past shard_bytes."""
     plan, shard, used = [], 0, 0
     for param in params(decoder):
         for _, value in per_source(param, param.get_value()):

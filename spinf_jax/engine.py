@@ -42,7 +42,7 @@ from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.progress import Progress, Steps
 from spinf_jax.scoring import Scorer
 
-ENGINE_VERSION = "4"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
+ENGINE_VERSION = "5"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
 KINDS = {"text": 0, "number": 1, "amount": 2}  # rows of the masks table; ENDS is its last row
 ENDS = 3
 # History columns of a decode step: an answer's tokens and its closing text. Fixed per width (one for

@@ -65,9 +65,9 @@ class Decoder(nnx.Module):
     (`lm_head`, or None when tied to `embed`), the layers in stacks (`make_layer(layer indices)` builds one
     module holding those layers' weights stacked; `signatures[i]` is what layer i's program depends on, so
     layers with equal signatures can share one), the final norm and the final-logit softcap (or None). Each
-    layer is called as layer(x, batch, row_tile, shared_kv) (`_call_layer`) and returns the new residual
-    stream and the keys and values it attended with (None when it reads another layer's). A family's
-    subclass defines the row-local `_embed(tokens)` and `_final_norm(x)`."""
+    layer is called through `_call_layer` (layer(x, batch, row_tile) unless a family says otherwise) and
+    returns the new residual stream and the keys and values it computed (None when it reads another
+    layer's). A family's subclass defines the row-local `_embed(tokens)` and `_final_norm(x)`."""
 
     def __init__(self, config, precision: Precision, make_layer, signatures: list, *, tied: bool,
                  softcap: float | None):  # fmt: skip

@@ -38,6 +38,10 @@ class QuantArray:
     def shape(self):
         return self.values.shape
 
+    def __getitem__(self, layer) -> "QuantArray":
+        """One layer of a stacked weight ([layers, out, in] → [out, in]), as for a plain array."""
+        return QuantArray(self.values[layer], self.scale[layer])
+
 
 Weight = jax.Array | QuantArray
 

@@ -71,6 +71,7 @@ def test_quantized_weights_are_data(precision, family):
     # [layers stacked, out, in], one scale per out row of each layer
     repeats = len(layer.q.source)
     assert q.values.shape == (repeats, 4 * 32, 64) and q.scale.shape == (repeats, 128)
+    assert q[1].values.shape == (128, 64) and q[1].scale.shape == (128,)  # one layer's, as in the README
     assert layer.input_norm.get_value().dtype == jnp.float32
     assert model.decoder.embed.get_value().dtype == jnp.bfloat16  # the LM head stays bf16 (see loader)
     leaves = jax.tree.leaves(nnx.state(model.decoder, nnx.Param))

@@ -58,16 +58,3 @@ def pytest_collection_modifyitems(config, items):
     if twice:
         config.hook.pytest_deselected(items=twice)
         items[:] = [item for item in items if item not in twice]
-    items.sort(key=lambda item: LONGEST_FIRST.get(item.path.name, len(LONGEST_FIRST)))  # stable
-
-
-# xdist (`--dist loadfile`) hands whole files to the two workers in collection order. Alphabetically the
-# longest files come late and one worker ends ~80 s after the other; longest first, the rest fill in around
-# them (benchmarks/results/test-suite.md, 2026-12-04: the files' seconds in run F, longest first).
-LONGEST_FIRST = {
-    name: rank
-    for rank, name in enumerate(
-        ["test_parity.py", "test_docs.py", "test_layout.py", "test_decisions.py", "test_packs.py",
-         "test_extraction.py", "test_engine.py"]
-    )
-}  # fmt: skip

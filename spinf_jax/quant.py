@@ -32,7 +32,7 @@ class Precision(StrEnum):
 @dataclass(frozen=True)
 class QuantArray:
     values: jax.Array  # [out, in] float8_e4m3fn or int8 ([layers, out, in] for stacked layers)
-    scale: jax.Array  # [out] float32: row r of the real weight is values[r] * scale[r]
+    scale: jax.Array  # [out] ([layers, out]) float32: row r of the real weight is values[r] * scale[r]
 
     @property
     def shape(self):

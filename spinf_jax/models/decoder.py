@@ -109,13 +109,14 @@ class Decoder(nnx.Module):
                 out, seen = [], []
                 for k, layer in enumerate(layers):
                     seen.append(None if capture is None else x[capture])
-                    shared_kv, layer_batch = None, batch
-                    if sources[k] is not None:
-                        shared_kv, own_memory = sources[k]
-                    elif memory is not None:
-                        own_memory = memory[0][k], memory[1][k]
-                    if memory is not None:
-                        layer_batch = dataclasses.replace(batch, cache=own_memory[0], history=own_memory[1])
+                    # The keys this layer reads besides its own: another layer's, or in a decode step its own
+                    # slice of the pass's keys and of the history.
+                    own = None if memory is None else (memory[0][k], memory[1][k])
+                    shared_kv, layer_memory = sources[k] or (None, own)
+                    layer_batch = batch
+                    if layer_memory is not None:
+                        cache, history = layer_memory
+                        layer_batch = dataclasses.replace(batch, cache=cache, history=history)
                     layer_input = None if inputs is None else inputs[k]
                     x, layer_kv = self._call_layer(layer, x, layer_batch, row_tile, layer_input, shared_kv)
                     out.append(layer_kv if keep[k] else None)
@@ -131,7 +132,7 @@ class Decoder(nnx.Module):
 
     @property
     def num_layers(self) -> int:
-        return sum(len(ids) for stack in self.stacks for ids in stack.ids)
+        return self.config.num_layers
 
     def layer(self, i: int) -> tuple[nnx.Module, int]:
         """Layer i as (the module holding its weights, stacked with others of its kind; its index along their

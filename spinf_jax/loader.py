@@ -290,11 +290,44 @@ def load_model(
     precision = precision or written_precision(checkpoint.config) or Precision.BF16
     decoder = abstract_decoder(checkpoint.config, precision)
     load_weights(decoder, checkpoint, progress)
-    if isinstance(checkpoint, GGUFFile):
-        tokenizer = _gguf_tokenizer(*_file_key(checkpoint.path))
-    elif (checkpoint.folder / "tokenizer.json").exists():
-        tokenizer = Tokenizer.from_folder(checkpoint.folder)
-    else:
-        tokenizer = None  # tiny test checkpoints are scored from token ids
+    tokenizer = _tokenizer(checkpoint)
     digest = checkpoint_digest(path)
     return Model(spec, decoder, tokenizer, digest, time.perf_counter() - start)
+
+
+def random_model(
+    config: Path | str, tokenizer_of: str = DEFAULT_MODEL, precision: Precision | str = "bf16"
+) -> Model:
+    """A model at the shape a transformers config.json describes, with made-up weights (random_weights, a
+    fixed seed) and the tokenizer of the model `tokenizer_of`, or of a folder holding its tokenizer.json:
+    speed and memory at a model's real shape without its checkpoint (`spinf-jax serve --random-weights`,
+    benchmarks/http_throughput.py). Its scores mean nothing. The digest names the config, so two loads of
+    one config give the same fingerprint and the same bits."""
+    start = time.perf_counter()
+    text = Path(config).expanduser().read_text()
+    hf_config = json.loads(text)
+    decoder = abstract_decoder(hf_config, precision)
+    path = resolve(tokenizer_of)
+    tokenizer = (
+        Tokenizer.from_folder(path)
+        if (path / "tokenizer.json").is_file()  # a folder of tokenizer files is enough
+        else _tokenizer(open_checkpoint(path))
+    )
+    words = tokenizer.backend.get_vocab_size(with_added_tokens=True) if tokenizer else 0
+    vocab = decoder.config.vocab_size
+    if words > vocab:
+        raise ValueError(
+            f"the tokenizer of {tokenizer_of} has {words} tokens, more than the config's {vocab}"
+        )
+    random_weights(decoder, jax.random.key(0))
+    digest = "random-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    name = f"random:{Path(config).stem}"
+    return Model(name, decoder, tokenizer, digest, time.perf_counter() - start)
+
+
+def _tokenizer(checkpoint: SafetensorsFolder | GGUFFile) -> Tokenizer | None:
+    if isinstance(checkpoint, GGUFFile):
+        return _gguf_tokenizer(*_file_key(checkpoint.path))
+    if (checkpoint.folder / "tokenizer.json").exists():
+        return Tokenizer.from_folder(checkpoint.folder)
+    return None  # tiny test checkpoints are scored from token ids

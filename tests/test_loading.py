@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from spinf_jax.loader import load_model
+from spinf_jax.loader import load_model, random_model
 from spinf_jax.models import abstract_decoder
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.models.params import nbytes
@@ -202,3 +202,27 @@ def test_processes_starting_at_once_share_the_default_model_file(tmp_path, monke
     first.join()
     assert not errors and len(paths) == 2 and paths[0] == paths[1] and paths[0].is_relative_to(tmp_path)
     assert [p.name for p in cache.iterdir()] == [paths[0].name]  # no partial file left behind
+
+
+def test_random_weights_at_a_config_shape(tmp_path):
+    """loader.random_model (`serve --random-weights`): a config's shape, a real model's tokenizer, the same
+    made-up weights and digest on every load; a vocabulary smaller than the tokenizer's is refused."""
+    config = json.loads((engines.TINY / "llama" / "config.json").read_text())
+    shape = tmp_path / "small-49k.json"
+    shape.write_text(json.dumps(config | {"vocab_size": 49_152}))
+    first, again = (random_model(shape, "spinf/smollm2-135m-instruct", "fp32") for _ in range(2))
+    assert (first.name, first.digest) == ("random:small-49k", again.digest)
+    assert first.tokenizer.backend.get_vocab_size(with_added_tokens=True) == first.decoder.config.vocab_size
+    same = jax.tree.map(lambda a, b: bool((a == b).all()), nnx.state(first.decoder), nnx.state(again.decoder))
+    assert jax.tree.all(same)
+    (tmp_path / "tokenizer").mkdir()
+    first.tokenizer.save(tmp_path / "tokenizer")  # a folder of tokenizer files is enough
+    from_files = random_model(shape, str(tmp_path / "tokenizer"), "fp32")
+    text = "Refund my order #1234, please!"
+    assert (from_files.tokenizer.encode(text), from_files.digest) == (
+        first.tokenizer.encode(text),
+        first.digest,
+    )
+    shape.write_text(json.dumps(config))  # 512 words
+    with pytest.raises(ValueError, match="has 49152 tokens, more than the config's 512"):
+        random_model(shape, "spinf/smollm2-135m-instruct", "fp32")

@@ -10,12 +10,14 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from litestar.testing import TestClient
 
 from spinf_jax.calibration import Calibration, Workload
 from spinf_jax.decisions import Decider
 from spinf_jax.server.app import Settings, create_app
+from tests.engines import TINY
 from tests.profiles import examples
-from tests.serving import serving
+from tests.serving import loaded, serving
 from tests.spec_example import QUERY_POOL, scores_by_question, without_extraction
 
 MODEL = "spinf/smollm2-135m-instruct"
@@ -368,3 +370,19 @@ def test_engine_failures_answer_in_the_envelope_and_the_server_keeps_serving(url
     _error(httpx.post(f"{url}/v1/score", json=BODY, timeout=60), 500, "internal_error")
     monkeypatch.undo()
     assert httpx.post(f"{url}/v1/score", json=BODY, timeout=60).status_code == 200
+
+
+@pytest.mark.slow  # a model of its own (made-up weights at a small shape), compiled for one bucket
+def test_random_weights_are_served_at_a_config_shape(tmp_path):
+    """`serve --random-weights CONFIG` (for benchmarks): the model's tokenizer over made-up weights at the
+    config's shape, scored over HTTP like any model (loading: tests/test_loading.py)."""
+    config = json.loads((TINY / "llama" / "config.json").read_text())
+    shape = tmp_path / "small-49k.json"
+    shape.write_text(json.dumps(config | {"vocab_size": 49_152}))
+    settings = Settings(MODEL, "fp32", buckets=(256,), random_weights=shape)
+    with TestClient(create_app(settings)) as client:
+        health = loaded(client)
+        assert (health["status"], health["served_names"]) == ("ok", ["random:small-49k"]), health
+        reply = client.post("/v1/score", json=without_extraction() | {"model": "random:small-49k"})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["system_fingerprint"] == health["system_fingerprint"]

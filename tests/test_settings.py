@@ -99,6 +99,23 @@ def test_one_problem_one_line(serve, monkeypatch, args, environ, problem):
     assert status == 2 and len(err) == 1 and problem in err[0], err
 
 
+def test_random_weights_need_a_transformers_config(serve, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "gemma3_text"}')
+    assert serve("--random-weights", str(config))[3].random_weights == config
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")  # MODEL may be a folder of tokenizer files
+    assert serve(str(tokenizer), "--random-weights", str(config), "--check")[0] == 0
+    assert serve(str(tokenizer), "--check")[0] == 2  # not without --random-weights
+    (tmp_path / "other.json").write_text('{"architectures": []}')
+    (tmp_path / "broken.json").write_text("{")
+    for name, problem in [("other.json", "no model_type"), ("broken.json", "cannot be read as JSON"),
+                          ("missing.json", "cannot be read as JSON")]:  # fmt: skip
+        status, _, err, _ = serve("--check", "--random-weights", str(tmp_path / name))
+        assert status == 2 and len(err) == 1 and "--random-weights" in err[0] and problem in err[0], err
+
+
 def test_the_key_variable_counts_only_without_key_flags(serve, monkeypatch):
     monkeypatch.setenv("SPINF_API_KEY", "from-the-environment")
     assert serve()[3].api_keys == ("from-the-environment",)

@@ -24,6 +24,7 @@ from spinf_jax import api
 from spinf_jax.decisions import Decider
 from spinf_jax.decoding import decode
 from spinf_jax.engine import Engine
+from spinf_jax.loader import random_model
 from spinf_jax.packer import Buckets, default_sizes
 from spinf_jax.packs.compiled import CompiledPack, compile_packs
 from spinf_jax.packs.loader import describe
@@ -76,9 +77,10 @@ class Server:
         # Progress is an info line: serve's --log-level warning hides it with the others.
         progress = Progress() if s.progress and PROGRESS.isEnabledFor(logging.INFO) else None
         try:
-            engine = engine or Engine.load(
-                s.model, s.precision, progress, buckets=Buckets(s.buckets or default_sizes())
-            )
+            buckets = Buckets(s.buckets or default_sizes())
+            if engine is None and s.random_weights:
+                engine = Engine(random_model(s.random_weights, s.model, s.precision), buckets)
+            engine = engine or Engine.load(s.model, s.precision, progress, buckets=buckets)
             start = time.perf_counter()
             engine.on_pass = self.metrics.on_pass
             engine.warmup(progress)

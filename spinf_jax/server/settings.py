@@ -45,6 +45,9 @@ class Settings:
     calibration: Calibration | None = field(default=None, compare=False, repr=False)
     # Report loading and compiling (spinf_jax.progress): `serve` does; tests and notebooks stay quiet.
     progress: bool = False
+    # A transformers config.json: serve made-up weights at its shape with the model's tokenizer (for
+    # benchmarks; loader.random_model). None: the model's own weights.
+    random_weights: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,11 @@ class Launch:
         """What will be served, in one line; it tells how many keys there are, never what they are."""
         s, cap = self.settings, self.settings.device_memory_cap_gib
         keys = f"{len(s.api_keys)} API key(s)" if s.api_keys else "no API key"
+        model = (
+            f"made-up weights at {s.random_weights}, {s.model}'s tokenizer" if s.random_weights else s.model
+        )
         return (
-            f"{s.model} ({s.precision}) on {self.host}:{self.port}; {keys}, /metrics "
+            f"{model} ({s.precision}) on {self.host}:{self.port}; {keys}, /metrics "
             f"{'behind the key' if s.metrics_auth else 'open'}; buckets {s.buckets or 'by backend'}; "
             f"queue {s.max_queue}, delay {s.max_delay_ms:g} ms; device memory "
             f"{f'at most {cap:g} GiB' if cap else 'uncapped'}; packs {', '.join(s.packs or {}) or 'none'}; "
@@ -81,7 +87,10 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
     environment → a Launch, or SettingsError with every problem found."""
     problems: list[str] = []
     model = args.model or DEFAULT_MODEL
-    if problem := _model_problem(model):
+    tokenizer_files = (
+        args.random_weights is not None and (Path(model).expanduser() / "tokenizer.json").is_file()
+    )
+    if not tokenizer_files and (problem := _model_problem(model)):
         problems.append(f"MODEL {model!r}: {problem}")
     precision = args.precision
     if precision is None:
@@ -111,6 +120,9 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
     cache = None if args.compile_cache == "none" else Path(args.compile_cache).expanduser()
     if cache is not None and cache.exists() and not cache.is_dir():
         problems.append(f"--compile-cache: {str(cache)!r} is not a folder")
+    random_weights = None if args.random_weights is None else Path(args.random_weights).expanduser()
+    if random_weights is not None and (problem := _config_problem(random_weights)):
+        problems.append(f"--random-weights {str(random_weights)!r}: {problem}")
     packs = None
     try:
         packs = load_packs(args.packs, official=not args.no_official_packs)
@@ -137,6 +149,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         served_names=tuple(args.served_model_name),
         device_memory_cap_gib=cap_gib,
         progress=True,
+        random_weights=random_weights,
     )
     return Launch(settings, args.host, port, args.log_level.lower(), cache)
 
@@ -164,6 +177,17 @@ def _model_problem(spec: str) -> str | None:
     except (OSError, ValueError) as exc:  # ValueError: config.json is not JSON (nor UTF-8)
         return f"cannot be read: {exc}"
     return None if path.suffix == ".gguf" and magic == b"GGUF" else f"{path.name} is not a GGUF file"
+
+
+def _config_problem(path: Path) -> str | None:
+    """What is wrong with a --random-weights config, as far as reading it tells."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"cannot be read as JSON: {exc}"
+    if not isinstance(config, dict) or "model_type" not in config:
+        return "not a transformers config.json (no model_type)"
+    return None
 
 
 def _api_keys(args: argparse.Namespace, environ: Mapping[str, str], problems: list[str]) -> tuple[str, ...]:

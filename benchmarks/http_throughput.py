@@ -1,0 +1,415 @@
+"""`spinf-jax serve` over HTTP at a real model shape: what users get from the server under concurrent clients,
+beside the library rate, transformers' baselines and the fp8 GEMM peak, all measured in the same run.
+
+    python3 benchmarks/http_throughput.py --tokenizer TOKENIZER_FOLDER --out $OUT [--parts ...] [--seconds 60]
+
+The server is `spinf-jax serve --random-weights CONFIG` in a child process: made-up weights at Gemma 3 12B's
+text shape (loader.random_model, a fixed seed) with Gemma 3's tokenizer (a folder holding its tokenizer.json,
+as `Tokenizer.save` writes it). The library engine measured in this process is the same model, so the
+server's scores must be the same bits (checked on the seed job). Every part is driven for --seconds by
+closed-loop clients (each posts its next request when its last is answered); a part's rate counts the
+requests answered from its start to its last answer.
+
+- library: `Engine.score` on the seed job (24 articles × 56 two-option questions) as one call, repeated.
+- job: the seed job as one request. articles: one request per article, at each of --clients.
+- article: one article asked 74 questions (the seed job's 56, and 18 of them asked again as "Question: ...").
+- pack: the moderation pack, 32 clients, 32 messages a request (the pack's synthetic data).
+- bulk: `spinf-jax score --url` over the seed job's articles, repeated (its own pace: one batch in flight).
+- baselines: transformers bf16 (SDPA, its own random init, same shape) on the seed job: A, one request per
+  question (--a-articles articles); B, each article read once and its questions as one batch over copies
+  of its prefix cache (benchmarks/gpu_baselines.py).
+
+Reported per part: questions/s (messages/hour for the pack), useful tokens/s (content and question tokens:
+floors are cached after the first request), model-FLOPs utilisation (2 × linear parameters × useful tokens)
+over the fp8 GEMM peak, p50/p99 latency, and the server process's CPU seconds per request (/proc). Random
+weights at the real shape: speed does not depend on the values.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import jax
+import numpy as np
+from common import GEMMA3_12B, gemm_peaks, linear_params, seed_job, seed_request
+from server_process import start_server, stop_server, wait_ready
+
+from spinf_jax.engine import Engine, use_compilation_cache
+from spinf_jax.loader import random_model
+from spinf_jax.packer import Buckets
+from spinf_jax.packs.loader import OFFICIAL
+
+PARTS = ("library", "job", "articles", "article", "pack", "bulk", "baselines")
+PACK = "spinf/moderation"
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokenizer", required=True, help="a folder holding Gemma 3's tokenizer.json")
+    parser.add_argument("--config", help="a transformers config.json (default: Gemma 3 12B's text config)")
+    parser.add_argument("--precision", default="fp8")
+    parser.add_argument("--buckets", default="4096,16384")
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long each part is driven")
+    parser.add_argument("--clients", default="1,8,32", help="client counts for one request per article")
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--a-articles", type=int, default=2, help="articles for baseline A (it is slow)")
+    parser.add_argument("--compile-cache", help="compiled programs, kept across runs (default: OUT/xla)")
+    parser.add_argument("--out", default=".")
+    return parser.parse_args()
+
+
+class Driver:
+    """Closed-loop clients posting prepared bodies to one route, and what came back."""
+
+    def __init__(self, url: str, server_pid: int):
+        self.url, self.pid = url, server_pid
+
+    def cpu_seconds(self) -> float:
+        """The server process's user + system CPU seconds so far (every thread)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def run(self, bodies: list[dict], clients: int, seconds: float, questions_of) -> dict:
+        """Each client takes every `clients`-th body in turn, round and round, until `seconds` have passed."""
+        encoded = [json.dumps(b).encode() for b in bodies]
+        stop = time.monotonic() + seconds
+        lock = threading.Lock()
+        done: list[tuple[float, int, int]] = []  # latency, questions, useful tokens
+        failures: list[str] = []
+
+        def client(first: int) -> None:
+            with httpx.Client(base_url=self.url, timeout=900) as http:
+                i = first
+                while time.monotonic() < stop and not failures:
+                    begin = time.perf_counter()
+                    reply = http.post(
+                        "/v1/score",
+                        content=encoded[i % len(encoded)],
+                        headers={"content-type": "application/json"},
+                    )
+                    latency = time.perf_counter() - begin
+                    if reply.status_code != 200:
+                        failures.append(f"{reply.status_code} {reply.text[:300]}")
+                        return
+                    body = reply.json()
+                    usage = body["usage"]["prompt_tokens_details"]
+                    with lock:
+                        done.append(
+                            (latency, questions_of(body), usage["content_tokens"] + usage["query_tokens"])
+                        )
+                    i += clients
+
+        cpu = self.cpu_seconds()
+        start = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+        if failures:
+            raise RuntimeError(f"a request failed: {failures[0]}")
+        latencies = np.array([d[0] for d in done])
+        return {
+            "clients": clients,
+            "requests": len(done),
+            "seconds": wall,
+            "questions": sum(d[1] for d in done),
+            "useful_tokens": sum(d[2] for d in done),
+            "questions_per_second": sum(d[1] for d in done) / wall,
+            "tokens_per_second": sum(d[2] for d in done) / wall,
+            "p50_ms": float(np.percentile(latencies, 50) * 1e3),
+            "p99_ms": float(np.percentile(latencies, 99) * 1e3),
+            "server_cpu_ms_per_request": (self.cpu_seconds() - cpu) / len(done) * 1e3,
+        }
+
+
+def questions_in(body: dict) -> int:
+    return sum(len(r["queries"]) for r in body["results"])
+
+
+def library(engine: Engine, request: dict, seconds: float) -> tuple[dict, dict]:
+    """The seed job as one `Engine.score` call, repeated for `seconds` after a first call (floors and
+    compiles)."""
+    first = engine.score(request)
+    times, again = [], first
+    while sum(times) < seconds:
+        start = time.perf_counter()
+        again = engine.score(request)
+        times.append(time.perf_counter() - start)
+    usage = again["usage"]["prompt_tokens_details"]
+    tokens, questions = usage["content_tokens"] + usage["query_tokens"], questions_in(first)
+    median = statistics.median(times) if times else float("nan")
+    row = {
+        "calls": len(times),
+        "seconds_per_call": median,
+        "questions": questions,
+        "useful_tokens": tokens,
+        "questions_per_second": questions / median,
+        "tokens_per_second": tokens / median,
+        "same_bits_every_call": again["results"] == first["results"],
+    }
+    return row, first
+
+
+def article_bodies(job: dict) -> list[dict]:
+    """One request per article, all 56 questions."""
+    return [
+        {
+            "inputs": [{"id": c["id"], "messages": [{"role": "user", "content": c["text"]}]}],
+            "scoring": {"queries": job["questions"]},
+        }
+        for c in job["contents"]
+    ]
+
+
+def seventy_four(job: dict) -> list[dict]:
+    """The seed job's 56 questions and 18 of them asked again in other words: 74 questions of one article."""
+    again = [
+        q | {"id": f"{q['id']}-again", "template": q["template"].replace("\n\n", "\n\nQuestion: ", 1)}
+        for q in job["questions"][:18]
+    ]
+    return [body | {"scoring": {"queries": job["questions"] + again}} for body in article_bodies(job)]
+
+
+def pack_bodies(per_request: int = 32) -> list[dict]:
+    data = OFFICIAL / "spinf" / "data"
+    texts = [json.loads(line)["text"] for f in sorted(data.glob("moderation-*.jsonl")) for line in f.open()]
+    return [
+        {
+            "inputs": [{"messages": [{"role": "user", "content": t}]} for t in texts[i : i + per_request]],
+            "packs": [{"id": PACK}],
+        }
+        for i in range(0, len(texts) - per_request + 1, per_request)
+    ]
+
+
+def bulk(url: str, job: dict, articles: int, out: Path) -> dict:
+    """`spinf-jax score --url` over `articles` articles (the seed job's, repeated), timed as a user runs
+    it."""
+    contents = out / "bulk-input.jsonl"
+    with contents.open("w") as f:
+        for k in range(articles):
+            c = job["contents"][k % len(job["contents"])]
+            f.write(json.dumps({"id": f"{c['id']}-{k}", "text": c["text"]}) + "\n")
+    queries = out / "bulk-queries.json"
+    queries.write_text(json.dumps(job["questions"]))
+    results = out / "bulk-results.jsonl"
+    results.unlink(missing_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "spinf_jax.cli",
+        "score",
+        str(contents),
+        "--out",
+        str(results),
+        "--queries",
+        str(queries),
+        "--url",
+        url,
+    ]
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True)
+    seconds = time.perf_counter() - start
+    questions = articles * len(job["questions"])
+    return {
+        "articles": articles,
+        "seconds": seconds,
+        "questions_per_second": questions / seconds,
+        "command": " ".join(command[1:]),
+    }
+
+
+def baselines(tokenizer: Path, config: dict, job: dict, a_articles: int, peaks: dict) -> dict:
+    """transformers A and B on the seed job (benchmarks/gpu_baselines.py), bf16 SDPA, the same shape."""
+    import torch
+    from gpu_baselines import baseline_a, baseline_b, hf_model, job_ids
+
+    from spinf_jax.tokenizer import Tokenizer
+
+    articles, questions, options = job_ids(Tokenizer.from_folder(tokenizer), job)
+    hf = hf_model(config, torch.bfloat16, "sdpa")
+    params = sum(p.numel() for n, p in hf.named_parameters() if "layers." in n and n.endswith("proj.weight"))
+    tokens = sum(len(a) for a in articles) + len(articles) * sum(len(q) for q in questions)
+    baseline_b(hf, articles[:2], questions, options)  # warm-up
+    seconds_b, _ = baseline_b(hf, articles, questions, options)
+    seconds_a, _ = baseline_a(hf, articles[:a_articles], questions, options)
+    tokens_a = sum(len(a) * len(questions) + sum(len(q) for q in questions) for a in articles[:a_articles])
+    del hf
+    torch.cuda.empty_cache()
+
+    def row(questions_asked: int, useful: int, seconds: float) -> dict:
+        return {
+            "questions": questions_asked,
+            "seconds": seconds,
+            "questions_per_second": questions_asked / seconds,
+            "tokens_per_second": useful / seconds,
+            "mfu_vs_fp8_peak": 2 * params * useful / seconds / (peaks["fp8_gemm_tflops"] * 1e12),
+        }
+
+    return {
+        "B": row(len(articles) * len(questions), tokens, seconds_b),
+        "A": row(a_articles * len(questions), tokens_a, seconds_a),
+    }
+
+
+def save(results: dict, out: Path) -> None:
+    """After every part: a run stopped by the device's time limit keeps what it measured."""
+    (out / "http_throughput.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+def mfu(row: dict, params: int, peaks: dict) -> float:
+    return 2 * params * row["tokens_per_second"] / (peaks["fp8_gemm_tflops"] * 1e12)
+
+
+def table(results: dict) -> str:
+    columns = [
+        "part",
+        "clients",
+        "questions/s",
+        "tokens/s",
+        "MFU (fp8 peak)",
+        "p50 ms",
+        "p99 ms",
+        "server CPU ms/request",
+    ]
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for name, row in results["rows"].items():
+        latency = [f"{row[k]:.0f}" if k in row else "" for k in ("p50_ms", "p99_ms")]
+        cpu = f"{row['server_cpu_ms_per_request']:.1f}" if "server_cpu_ms_per_request" in row else ""
+        cells = [
+            name,
+            row.get("clients", ""),
+            f"{row['questions_per_second']:,.0f}",
+            f"{row['tokens_per_second']:,.0f}" if "tokens_per_second" in row else "",
+            f"{row['mfu']:.1%}" if "mfu" in row else "",
+            *latency,
+            cpu,
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = arguments()
+    parts = set(args.parts.split(","))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = Path(args.config) if args.config else out / "gemma-3-12b.json"
+    if not args.config:
+        config.write_text(json.dumps(GEMMA3_12B))
+    results = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "precision": args.precision,
+        "buckets": args.buckets,
+        "seconds_per_part": args.seconds,
+        "weights": f"made-up (loader.random_model, seed 0) at the shape of {config.name}",
+        "rows": {},
+    }
+    # The CPU has no fp8 GEMM peak worth the minutes of measuring it (a dry run of the script there).
+    cpu = jax.default_backend() == "cpu"
+    results |= {"fp8_gemm_tflops": float("nan"), "bf16_gemm_tflops": float("nan")} if cpu else gemm_peaks()
+    print("peaks", {k: v for k, v in results.items() if k.endswith("tflops")}, flush=True)
+    job = seed_job()
+    request = seed_request(job)
+    buckets = Buckets(tuple(int(b) for b in args.buckets.split(",")))
+    cache = Path(args.compile_cache or out / "xla")
+    use_compilation_cache(cache)  # the server reads what this process compiled: its start is a warm one
+    model = random_model(config, args.tokenizer, args.precision)
+    params = linear_params(model.decoder)
+    results["linear_params"] = params
+    engine = Engine(model, buckets)
+    library_row, library_answer = library(engine, request, args.seconds if "library" in parts else 0)
+    if "library" in parts:
+        results["rows"]["library: seed job, one call"] = library_row | {
+            "mfu": mfu(library_row, params, results)
+        }
+        save(results, out)
+        print("library", library_row, flush=True)
+    del engine, model
+
+    serve = [
+        args.tokenizer,
+        "--random-weights",
+        str(config),
+        "--precision",
+        args.precision,
+        "--buckets",
+        args.buckets,
+        "--compile-cache",
+        str(cache),
+        "--max-queue",
+        "256",
+        "--log-level",
+        "warning",
+    ]
+    start = time.perf_counter()
+    process, url = start_server(serve, out / "server.log")
+    try:
+        wait_ready(url, process, timeout=900)
+        results["server_ready_seconds"] = time.perf_counter() - start
+        driver = Driver(url, process.pid)
+        over_http = httpx.post(f"{url}/v1/score", json=request, timeout=900).json()
+        results["http_same_bits_as_library"] = over_http["results"] == library_answer["results"]
+        print(
+            "ready in",
+            round(results["server_ready_seconds"]),
+            "s; same bits over HTTP:",
+            results["http_same_bits_as_library"],
+            flush=True,
+        )
+
+        def measure(name: str, bodies: list[dict], clients: int, questions_of=questions_in) -> None:
+            row = driver.run(bodies, clients, args.seconds, questions_of)
+            row["mfu"] = mfu(row, params, results)
+            results["rows"][name] = row
+            save(results, out)
+            print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+        if "job" in parts:
+            measure("job: one request", [request], 1)
+        if "articles" in parts:
+            for clients in (int(c) for c in args.clients.split(",")):
+                measure(f"job: one request per article, {clients} clients", article_bodies(job), clients)
+        if "article" in parts:
+            measure("one article, 74 questions", seventy_four(job), 8)
+        if "pack" in parts:
+            bodies = pack_bodies()
+            httpx.post(f"{url}/v1/score", json=bodies[0], timeout=900)  # the pack's floors, computed once
+            name = "moderation pack, 32 messages a request (a message counts as a question)"
+            measure(name, bodies, 32, questions_of=lambda body: len(body["results"]))
+            row = results["rows"][name]
+            row["messages_per_hour"] = row["requests"] * 32 / row["seconds"] * 3600
+        if "bulk" in parts:  # as many articles as the rate measured so far answers in --seconds
+            rates = [r["questions_per_second"] for r in results["rows"].values()]
+            rate = next((r for r in reversed(rates) if math.isfinite(r) and r > 0), 100.0)
+            articles = max(48, int(rate * args.seconds / len(job["questions"])))
+            row = bulk(url, job, articles, out)
+            results["rows"]["bulk command (--url)"] = row
+            save(results, out)
+            print("bulk", row, flush=True)
+    finally:
+        stop_server(process)
+    if "baselines" in parts:
+        shape = json.loads(config.read_text())
+        for name, row in baselines(Path(args.tokenizer), shape, job, args.a_articles, results).items():
+            results["rows"][f"baseline {name} (transformers)"] = row | {"mfu": row["mfu_vs_fp8_peak"]}
+    save(results, out)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    main()

@@ -13,7 +13,8 @@ requests answered from its start to its last answer.
 - library: `Engine.score` on the seed job (24 articles × 56 two-option questions) as one call, repeated.
 - job: the seed job as one request. articles: one request per article, at each of --clients.
 - article: one article asked 74 questions (the seed job's 56, and 18 of them asked again as "Question: ...").
-- pack: the moderation pack, 32 clients, 32 messages a request (the pack's synthetic data).
+- pack: the moderation pack, 32 clients, 32 messages a request (the pack's synthetic data); and a message
+  alone gets the same bits as in a batch.
 - bulk: `spinf-jax score --url` over the seed job's articles, repeated (its own pace: one batch in flight).
 - baselines: transformers bf16 (SDPA, its own random init, same shape) on the seed job: A, one request per
   question (--a-articles articles); B, each article read once and its questions as one batch over copies
@@ -27,7 +28,6 @@ weights at the real shape: speed does not depend on the values.
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -62,6 +62,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=60.0, help="how long each part is driven")
     parser.add_argument("--clients", default="1,8,32", help="client counts for one request per article")
     parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument(
+        "--bulk-articles", type=int, default=1024, help="articles the bulk command scores (64 a request)"
+    )
     parser.add_argument("--a-articles", type=int, default=2, help="articles for baseline A (it is slow)")
     parser.add_argument("--compile-cache", help="compiled programs, kept across runs (default: OUT/xla)")
     parser.add_argument("--out", default=".")
@@ -387,15 +390,19 @@ def main() -> None:
             measure("one article, 74 questions", seventy_four(job), 8)
         if "pack" in parts:
             bodies = pack_bodies()
-            httpx.post(f"{url}/v1/score", json=bodies[0], timeout=900)  # the pack's floors, computed once
+            # The pack's floors are computed once, here; and a message alone gets the bits it gets in a batch.
+            batched = httpx.post(f"{url}/v1/score", json=bodies[0], timeout=900).json()["results"][0]["packs"]
+            alone = {**bodies[0], "inputs": bodies[0]["inputs"][:1]}
+            results["pack_alone_equals_batched"] = (
+                httpx.post(f"{url}/v1/score", json=alone, timeout=900).json()["results"][0]["packs"]
+                == batched
+            )
             name = "moderation pack, 32 messages a request (a message counts as a question)"
             measure(name, bodies, 32, questions_of=lambda body: len(body["results"]))
             row = results["rows"][name]
             row["messages_per_hour"] = row["requests"] * 32 / row["seconds"] * 3600
-        if "bulk" in parts:  # as many articles as the rate measured so far answers in --seconds
-            rates = [r["questions_per_second"] for r in results["rows"].values()]
-            rate = next((r for r in reversed(rates) if math.isfinite(r) and r > 0), 100.0)
-            articles = max(48, int(rate * args.seconds / len(job["questions"])))
+        if "bulk" in parts:
+            articles = args.bulk_articles
             row = bulk(url, job, articles, out)
             results["rows"]["bulk command (--url)"] = row
             save(results, out)

@@ -5,6 +5,7 @@ results do not depend on where it lands or what shares its pass (see TreeBatch).
 next-token distribution is needed) and targets (token log-probs) have fixed per-bucket capacities too.
 """
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -35,6 +36,11 @@ class Buckets:
     # (parity.reference_buckets), which at the serving capacities took six passes where one does.
     read_every: int = 4
     targets_per_row: int = 1
+    # What a pass costs beyond its rows, in rows (pack): launching it, its host work, and on the CPU the
+    # full-vocabulary read tile every pass with a read computes. Measured: a 4,096-row pass at the Gemma 3
+    # 12B shape took ~0.14 s on the H200 against ~0.58 s for 16,384 rows; Gemma 3 270M on the CPU 0.74 s
+    # for 256 rows, 1.11 s for 512, 1.95 s for 1,024 (benchmarks/results, 2026-12-04).
+    pass_overhead: int = 256
 
     def __post_init__(self):
         if any(s % self.block or s % READ_CHUNK for s in self.sizes) or list(self.sizes) != sorted(
@@ -150,19 +156,36 @@ def read_trees(token_ids: list[int], reads: dict[int, list[int]], buckets: Bucke
 
 
 def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
-    """Greedy in order: a tree that does not fit the current pass's remainder starts the next pass."""
-    passes, current, used = [], [], (0, 0, 0)
-    for i, tree in enumerate(trees):
-        cost = _cost(tree, buckets)
-        total = tuple(a + b for a, b in zip(used, cost, strict=True))
-        if current and not buckets.fits(buckets.largest, *total):
-            passes.append(_lay_out(current, trees, used, buckets))
-            current, total = [], cost
-        current.append(i)
-        used = total
-    if current:
-        passes.append(_lay_out(current, trees, used, buckets))
-    return passes
+    """The trees in order, cut into passes where that costs least: a pass costs its bucket's rows plus
+    `buckets.pass_overhead`, and of two equal ways the one with fewer passes wins. Filling each pass to the
+    largest bucket made a batch of four 1,200-token contents one 16,384-row pass where two of 4,096 rows
+    do. A tree's results do not depend on its pass (docs/batch-invariance.md), so this choice is free."""
+    costs, sizes = [_cost(tree, buckets) for tree in trees], buckets.sizes
+    best = [0] + [math.inf] * len(trees)  # best[i]: the cheapest passes for trees[:i]
+    start_of = [0] * (len(trees) + 1)  # where the last pass of best[i] starts
+    for end in range(1, len(trees) + 1):
+        tokens = reads = targets = bucket = 0
+        for start in range(end - 1, -1, -1):  # the last pass holds trees[start:end]
+            more_tokens, more_reads, more_targets = costs[start]
+            tokens, reads, targets = tokens + more_tokens, reads + more_reads, targets + more_targets
+            while bucket < len(sizes) and not buckets.fits(sizes[bucket], tokens, reads, targets):
+                bucket += 1  # the pass only grows as it starts earlier: its bucket never shrinks
+            if bucket == len(sizes):
+                break
+            cost = best[start] + sizes[bucket] + buckets.pass_overhead
+            if cost <= best[end]:  # <=: a longer last pass, so fewer passes, on a tie
+                best[end], start_of[end] = cost, start
+        if best[end] == math.inf:
+            raise ValueError(f"a tree of {tokens} tokens does not fit the largest bucket ({buckets.largest})")
+    groups, end = [], len(trees)
+    while end:
+        groups.append(range(start_of[end], end))
+        end = start_of[end]
+    return [_lay_out(list(group), trees, _used(group, costs), buckets) for group in reversed(groups)]
+
+
+def _used(group: range, costs: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+    return tuple(sum(column) for column in zip(*(costs[i] for i in group), strict=True))
 
 
 def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int], buckets: Buckets) -> Pass:

@@ -166,6 +166,55 @@ def test_big_content_splits_into_trees_that_each_fit():
     assert sorted(i for p in passes for i in p.tree_ids) == list(range(len(trees)))
 
 
+def _partitions(n: int):
+    """Every way to cut n trees, in order, into consecutive passes: lists of (start, end)."""
+    if n == 0:
+        yield []
+        return
+    for start in range(n):
+        for rest in _partitions(start):
+            yield [*rest, (start, n)]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(sizes=st.lists(st.integers(1, 700), min_size=1, max_size=7), overhead=st.sampled_from([0, 64, 256]))
+def test_passes_are_the_cheapest_cut_of_the_trees_in_order(sizes, overhead):
+    """pack cuts the trees, in order, where the passes' rows plus a pass's overhead are fewest (of equal
+    costs, the fewest passes), against every possible cut; every tree lands once, in its order."""
+    buckets = Buckets((256, 512, 1024), block=64, pass_overhead=overhead)
+    trees = [build_tree([BOS], _content(1, n), [QuestionKey((9, 9), ((40,), (41,)))]) for n in sizes]
+
+    def cost(cut) -> tuple[float, int]:
+        total = 0
+        for start, end in cut:
+            group = trees[start:end]
+            used = (sum(buckets.aligned(len(t)) for t in group), sum(len(t.read_rows) for t in group),
+                    sum(len(t.targets) for t in group))  # fmt: skip
+            fitting = [s for s in buckets.sizes if buckets.fits(s, *used)]
+            if not fitting:
+                return (float("inf"), len(cut))
+            total += fitting[0] + overhead
+        return (total, len(cut))
+
+    passes = pack(trees, buckets)
+    assert [i for p in passes for i in p.tree_ids] == list(range(len(trees)))
+    got = (sum(p.size + overhead for p in passes), len(passes))
+    assert got == min(cost(cut) for cut in _partitions(len(trees)))
+
+
+def test_a_few_contents_take_small_passes_not_the_largest():
+    """Four 1,200-token contents: two 4,096-row passes, not one of 16,384 (what filling the largest bucket
+    gave); thirteen fill a 16,384-row pass again."""
+    buckets = Buckets((4096, 16384))
+    contents = [
+        build_tree([BOS], _content(i, 1150), [QuestionKey((9,) * 14, ((40,), (41,)))]) for i in range(13)
+    ]
+    assert [p.size for p in pack(contents[:4], buckets)] == [4096, 4096]
+    assert [p.size for p in pack(contents, buckets)] == [4096, 16384]
+    with pytest.raises(ValueError, match="does not fit the largest bucket"):
+        pack([build_tree([BOS], _content(0, 20_000), [])], buckets)
+
+
 def test_tree_layout_is_depth_first_with_spans():
     options = ((1, 2, 3), (1, 4), (5,), (6, 7, 8))
     tree = build_tree([BOS], [7, 8], [QuestionKey((9,), options), QuestionKey((10,), ((3,),))])

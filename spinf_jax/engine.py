@@ -37,12 +37,16 @@ from spinf_jax.layout import (
 from spinf_jax.loader import DEFAULT_MODEL, Model, load_model
 from spinf_jax.models.decoder import split
 from spinf_jax.models.layers import DecodeBatch, TreeBatch, by_rows
+from spinf_jax.models.params import nbytes
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
 from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.progress import Progress, Steps
 from spinf_jax.scoring import Scorer
 
 ENGINE_VERSION = "5"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
+# Passes launched and not yet read back, at most (Engine.launch): the device runs one while the host launches
+# the next; each holds its outputs and temporaries on the device, so more would only take memory.
+IN_FLIGHT = 2
 KINDS = {"text": 0, "number": 1, "amount": 2}  # rows of the masks table; ENDS is its last row
 ENDS = 3
 # History columns of a decode step: an answer's tokens and its closing text. Fixed per width (one for
@@ -194,6 +198,23 @@ class Scored:
         )
 
 
+@dataclass
+class Launched:
+    """Passes started by Engine.launch: the trees, their results so far (those of passes that ran to the end
+    in launch), and the passes still on the device with their outputs."""
+
+    trees: list[Tree]
+    out: list[Scored | None]
+    running: list[tuple[Pass, tuple[jax.Array, jax.Array], float]] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        """Whether every pass has finished on the device (collect would not wait)."""
+        return all(outputs[0].is_ready() for _, outputs, _ in self.running)
+
+    def wait(self) -> None:
+        jax.block_until_ready([outputs for _, outputs, _ in self.running])
+
+
 class Engine:
     def __init__(
         self,
@@ -280,10 +301,15 @@ class Engine:
         return self._programs[size]
 
     def device_bytes_needed(self) -> int:
-        """Device memory the largest pass needs at its peak, by XLA's buffer assignment: the weights and the
-        pass's inputs, its temporaries and its outputs (compiles every bucket not compiled yet)."""
-        return max(
-            m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+        """Device memory the largest passes need at their peak, by XLA's buffer assignment: the weights, and
+        IN_FLIGHT times a pass's inputs, temporaries and outputs (compiles every bucket not compiled yet)."""
+        weights = nbytes(self.model.decoder)
+        return weights + IN_FLIGHT * max(
+            m.argument_size_in_bytes
+            + m.temp_size_in_bytes
+            + m.output_size_in_bytes
+            - m.alias_size_in_bytes
+            - weights
             for m in (self.program(size).memory_analysis() for size in self.buckets.sizes)
         )
 
@@ -316,27 +342,51 @@ class Engine:
     def score_trees(self, trees: list[Tree]) -> list[Scored]:
         """Pack trees into passes, run them, and hand back each tree's target log-probs and top tokens, and
         the answers at its extraction slots (decoded right after their pass, from its keys and values)."""
-        out: list[Scored | None] = [None] * len(trees)
+        return self.collect(self.launch(trees))
+
+    def launch(self, trees: list[Tree]) -> "Launched":
+        """score_trees in two halves. This one packs the trees and starts their passes on the device without
+        waiting for them (JAX dispatches asynchronously), so the caller can prepare the next batch while
+        they run; collect waits for their results. Passes with extraction slots run here to the end: their
+        decode steps need each step's candidates on the host."""
+        launched = Launched(trees, [None] * len(trees))
         for p in pack(trees, self.buckets):
             start = time.perf_counter()
             slots = [(t, slot) for t in p.tree_ids for slot in trees[t].slots]
-            if slots:
-                logprobs, top, hidden, cache = self._extract(*self._pass_args(p))
-                logprobs, top = np.asarray(logprobs), np.asarray(top)
-            else:
-                logprobs, top = self._run_pass(p)
-            for tree_id, targets, reads in zip(p.tree_ids, p.target_offset, p.read_offset, strict=True):
-                tree = trees[tree_id]
-                out[tree_id] = Scored(
-                    tree,
-                    logprobs[targets : targets + len(tree.targets)],
-                    top[reads : reads + len(tree.read_rows)],
-                )
-            if slots:
-                self._decode(p, trees, out, slots, hidden, cache)
-            if self.on_pass:
-                self.on_pass(p.size, time.perf_counter() - start)
-        return out
+            if not slots:
+                if len(launched.running) == IN_FLIGHT:
+                    self._collect_oldest(launched)
+                launched.running.append((p, self.program(p.size)(*self._pass_args(p)), start))
+                continue
+            logprobs, top, hidden, cache = self._extract(*self._pass_args(p))
+            self._scored(p, launched, np.asarray(logprobs), np.asarray(top))
+            self._decode(p, trees, launched.out, slots, hidden, cache)
+            self._ran(p, start)
+        return launched
+
+    def collect(self, launched: "Launched") -> list[Scored]:
+        """Every tree's results once the passes `launch` started have run."""
+        while launched.running:
+            self._collect_oldest(launched)
+        return launched.out
+
+    def _collect_oldest(self, launched: "Launched") -> None:
+        p, (logprobs, top), start = launched.running.pop(0)
+        self._scored(p, launched, np.asarray(logprobs), np.asarray(top))
+        self._ran(p, start)
+
+    def _scored(self, p: Pass, launched: "Launched", logprobs: np.ndarray, top: np.ndarray) -> None:
+        for tree_id, targets, reads in zip(p.tree_ids, p.target_offset, p.read_offset, strict=True):
+            tree = launched.trees[tree_id]
+            launched.out[tree_id] = Scored(
+                tree,
+                logprobs[targets : targets + len(tree.targets)],
+                top[reads : reads + len(tree.read_rows)],
+            )
+
+    def _ran(self, p: Pass, start: float) -> None:
+        if self.on_pass:  # from its launch to its results (with passes queued before it, their time too)
+            self.on_pass(p.size, time.perf_counter() - start)
 
     # -----------------------------------------------------------------------------------------------------
     # Extraction

@@ -33,11 +33,15 @@ class SlowEngine:
         self.gate = threading.Event()
         self.scored: list[list] = []
 
-    def score_trees(self, trees):
+    def launch(self, trees):
+        """Engine.launch's handle: here the work happens when it is collected."""
+        return SimpleNamespace(trees=trees, ready=self.gate.is_set, wait=self.gate.wait)
+
+    def collect(self, launched):
         self.gate.wait()
-        time.sleep(sum(len(t) for t in trees) / 1000)
-        self.scored.append(trees)
-        return [len(t) for t in trees]
+        time.sleep(sum(len(t) for t in launched.trees) / 1000)
+        self.scored.append(launched.trees)
+        return [len(t) for t in launched.trees]
 
 
 def _runner(max_queue=8) -> tuple[Runner, SlowEngine]:
@@ -154,14 +158,14 @@ def test_a_client_that_leaves_is_not_scored(gemma_engine, monkeypatch):
         assert loaded(client)["status"] == "ok"
         runner = app.state.server.runner
         gate, scored = threading.Event(), []
-        real = runner.engine.score_trees
+        real = runner.engine.launch
 
         def gated(trees):
             gate.wait()
             scored.append(len(trees))
             return real(trees)
 
-        monkeypatch.setattr(runner.engine, "score_trees", gated)
+        monkeypatch.setattr(runner.engine, "launch", gated)
         busy = threading.Thread(target=lambda: client.post("/v1/score", json=BODY))
         busy.start()  # holds the engine thread at the gate
         time.sleep(0.5)
@@ -203,3 +207,44 @@ def test_headers_that_never_finish_lose_their_connection(gemma_engine, monkeypat
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_the_next_batch_is_launched_before_the_first_is_answered():
+    """While a batch runs on the device, the requests that arrive make the next batch; it is launched as
+    soon as the device is done, before the first batch's answers are built (which then overlap it)."""
+    events, done = [], threading.Event()
+
+    class Device:
+        buckets = SimpleNamespace(largest=10**9)
+
+        def launch(self, trees):
+            events.append(("launch", len(trees)))
+            return SimpleNamespace(trees=trees, ready=done.is_set, wait=done.wait)
+
+        def collect(self, launched):
+            return [len(t) for t in launched.trees]
+
+    def finish(plan, scored):
+        events.append(("answer", len(scored)))
+        return scored
+
+    runner = Runner(Device(), max_queue=8, max_delay=0.0)
+    first = runner.submit(SimpleNamespace(trees=[[0]]), finish)
+    deadline = time.monotonic() + 10
+    while not events:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    later = [runner.submit(SimpleNamespace(trees=[[0], [0]]), finish) for _ in range(3)]
+    time.sleep(0.1)  # all three wait: the device is still busy with the first
+    assert events == [("launch", 1)]
+    done.set()
+    assert [f.result(timeout=10) for f in [first, *later]] == [[1], [1, 1], [1, 1], [1, 1]]
+    assert events == [
+        ("launch", 1),
+        ("launch", 6),
+        ("answer", 1),
+        ("answer", 2),
+        ("answer", 2),
+        ("answer", 2),
+    ]
+    runner.close()

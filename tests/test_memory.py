@@ -32,7 +32,7 @@ def test_out_of_memory_in_a_pass_fails_that_request_and_the_server_goes_on(gemma
         assert loaded(client)["status"] == "ok"
         before = client.post("/v1/score", json=BODY).json()["results"]
         engine = app.state.server.engine
-        real = engine.score_trees
+        real = engine.launch
 
         def exhausted(trees):
             # What XLA raises when an allocation fails mid-pass (jaxlib's XlaRuntimeError text).
@@ -40,12 +40,12 @@ def test_out_of_memory_in_a_pass_fails_that_request_and_the_server_goes_on(gemma
                 "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12884901888 bytes."
             )
 
-        monkeypatch.setattr(engine, "score_trees", exhausted)
+        monkeypatch.setattr(engine, "launch", exhausted)
         response = client.post("/v1/score", json=BODY)
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "out_of_memory"
         assert int(response.headers["retry-after"]) >= 1
-        monkeypatch.setattr(engine, "score_trees", real)
+        monkeypatch.setattr(engine, "launch", real)
         after = client.post("/v1/score", json=BODY)
         assert after.status_code == 200 and after.json()["results"] == before
 

@@ -362,11 +362,11 @@ def test_engine_failures_answer_in_the_envelope_and_the_server_keeps_serving(url
     def out_of_memory(trees):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes")
 
-    monkeypatch.setattr(engine, "score_trees", out_of_memory)
+    monkeypatch.setattr(engine, "launch", out_of_memory)
     r = httpx.post(f"{url}/v1/score", json=BODY, timeout=60)
     _error(r, 503, "out_of_memory")
     assert "retry-after" in r.headers
-    monkeypatch.setattr(engine, "score_trees", lambda trees: 1 / 0)
+    monkeypatch.setattr(engine, "launch", lambda trees: 1 / 0)
     _error(httpx.post(f"{url}/v1/score", json=BODY, timeout=60), 500, "internal_error")
     monkeypatch.undo()
     assert httpx.post(f"{url}/v1/score", json=BODY, timeout=60).status_code == 200

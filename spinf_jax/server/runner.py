@@ -1,6 +1,8 @@
-"""One thread owns the device. It gathers the trees of concurrent requests into shared passes: a request
-waits for company at most `max_delay` seconds, or until the pending trees fill the largest bucket. Scores do
-not depend on what shares a pass (see packer), so batching never changes an answer.
+"""One thread owns the device. It gathers the trees of concurrent requests into shared passes: with the
+device idle, a request waits for company at most `max_delay` seconds, or until the pending trees fill the
+largest bucket; with a batch on the device, the next batch is what arrives until the device is done, and it
+is launched before the first batch's answers are built. Scores do not depend on what shares a pass (see
+packer), so batching never changes an answer.
 
 It also knows how long the queue will take (tokens waiting over the tokens per second it measured), which is
 what a full queue tells clients to wait (Retry-After), and it drops the requests whose clients left. Each
@@ -96,40 +98,72 @@ class Runner:
             if item is not None:
                 item[2].set_exception(ScoringError("shutting_down", "the server is stopping; retry shortly"))
 
-    def _gather(self, first: tuple) -> list[tuple[Any, Finish, Ticket]]:
-        batch, tokens = [first], first[2].tokens
+    def _gather(self, first: tuple | None, busy=None) -> list[tuple[Any, Finish, Ticket]]:
+        """The next batch: with the device idle, `first` and what arrives within max_delay of it; with a
+        batch on the device (`busy`, Engine.launch's handle), whatever arrives until that batch is done, and
+        it returns once that batch is done. Either way no more than fills the largest bucket."""
+        batch, tokens = ([first], first[2].tokens) if first else ([], 0)
         deadline = time.monotonic() + self.max_delay
         while tokens < self.engine.buckets.largest:
-            try:
-                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
+            if busy is None:
+                wait = deadline - time.monotonic()
+            elif busy.ready():
                 break
+            else:
+                wait = 0.001  # look again whether the device is done
+            try:
+                item = self._queue.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                if busy is None:
+                    break
+                continue
             if item is None:
                 self._queue.put(None)  # let the loop see the stop after this batch
                 break
             batch.append(item)
             tokens += item[2].tokens
+        if busy is not None:
+            busy.wait()  # one batch on the device at a time: each pass in flight holds its temporaries
         return batch
 
     def _loop(self) -> None:
-        while (first := self._queue.get()) is not None:
-            batch = self._gather(first)
+        """Launch a batch, gather the next while it runs, launch that one as soon as the device is done, and
+        only then answer the first: the device waits for the host only while a batch is launched."""
+        on_device = None  # (batch, handle, start): launched, not yet answered
+        while True:
+            if on_device is None:
+                if (first := self._queue.get()) is None:
+                    return
+                batch = self._gather(first)
+            elif isinstance(handle := on_device[1], Exception):  # nothing on the device after all
+                batch = []
+            else:
+                batch = self._gather(None, busy=handle)
             # A cancelled future is a client that left while queued: its plan is dropped here.
             live = [item for item in batch if item[2].set_running_or_notify_cancel()]
             with self._lock:
                 self._pending -= len(batch)
                 self._tokens_left -= sum(ticket.tokens for _, _, ticket in batch if ticket.cancelled())
-            if live:
-                self._score(live)
+            launched = self._launch(live) if live else None
+            if on_device is not None:
+                self._answer(*on_device)
+            on_device = launched
 
-    def _score(self, batch: list[tuple[Any, Finish, Ticket]]) -> None:
-        trees = [tree for plan, _, _ in batch for tree in plan.trees]
+    def _launch(self, batch: list[tuple[Any, Finish, Ticket]]):
         start = time.perf_counter()
-        failure = None
         try:
-            scored = self.engine.score_trees(trees)
+            handle = self.engine.launch([tree for plan, _, _ in batch for tree in plan.trees])
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
-            failure = exc
+            handle = exc
+        return batch, handle, start
+
+    def _answer(self, batch: list[tuple[Any, Finish, Ticket]], handle, start: float) -> None:
+        failure = handle if isinstance(handle, Exception) else None
+        if failure is None:
+            try:
+                scored = self.engine.collect(handle)
+            except Exception as exc:  # noqa: BLE001
+                failure = exc
         seconds = time.perf_counter() - start
         self._measured(sum(ticket.tokens for _, _, ticket in batch), seconds)
         offset = 0

@@ -344,7 +344,7 @@ class Engine:
         the answers at its extraction slots (decoded right after their pass, from its keys and values)."""
         return self.collect(self.launch(trees))
 
-    def launch(self, trees: list[Tree]) -> "Launched":
+    def launch(self, trees: list[Tree]) -> Launched:
         """score_trees in two halves. This one packs the trees and starts their passes on the device without
         waiting for them (JAX dispatches asynchronously), so the caller can prepare the next batch while
         they run; collect waits for their results. Passes with extraction slots run here to the end: their
@@ -364,18 +364,18 @@ class Engine:
             self._ran(p, start)
         return launched
 
-    def collect(self, launched: "Launched") -> list[Scored]:
+    def collect(self, launched: Launched) -> list[Scored]:
         """Every tree's results once the passes `launch` started have run."""
         while launched.running:
             self._collect_oldest(launched)
         return launched.out
 
-    def _collect_oldest(self, launched: "Launched") -> None:
+    def _collect_oldest(self, launched: Launched) -> None:
         p, (logprobs, top), start = launched.running.pop(0)
         self._scored(p, launched, np.asarray(logprobs), np.asarray(top))
         self._ran(p, start)
 
-    def _scored(self, p: Pass, launched: "Launched", logprobs: np.ndarray, top: np.ndarray) -> None:
+    def _scored(self, p: Pass, launched: Launched, logprobs: np.ndarray, top: np.ndarray) -> None:
         for tree_id, targets, reads in zip(p.tree_ids, p.target_offset, p.read_offset, strict=True):
             tree = launched.trees[tree_id]
             launched.out[tree_id] = Scored(

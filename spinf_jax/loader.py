@@ -63,8 +63,9 @@ BUILTIN_MODELS = {
 }
 
 
-def resolve(spec: str) -> Path:
-    """Model spec → local path of a folder or a .gguf file."""
+def resolve(spec: str, weights: bool = True) -> Path:
+    """Model spec → local path of a folder or a .gguf file (of a Hub model without its weights, for its
+    tokenizer: weights=False)."""
     if spec in BUILTIN_MODELS:
         return BUILTIN_MODELS[spec]()
     path = Path(spec).expanduser()
@@ -74,7 +75,8 @@ def resolve(spec: str) -> Path:
         from huggingface_hub import snapshot_download
 
         # Honours HF_HUB_OFFLINE and the local cache (HF_HUB_CACHE / HF_HOME) like every Hub client.
-        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+        wanted = ["*.json", "tokenizer*", *(["*.safetensors"] if weights else [])]
+        return Path(snapshot_download(spec, allow_patterns=wanted))
     raise FileNotFoundError(f"no model at {spec!r}: not a built-in name, a local path, or a Hub id")
 
 
@@ -307,11 +309,9 @@ def random_model(
     text = Path(config).expanduser().read_text()
     hf_config = json.loads(text)
     decoder = abstract_decoder(hf_config, precision)
-    path = resolve(tokenizer_of)
+    path = resolve(tokenizer_of, weights=False)
     tokenizer = (
-        Tokenizer.from_folder(path)
-        if (path / "tokenizer.json").is_file()  # a folder of tokenizer files is enough
-        else _tokenizer(open_checkpoint(path))
+        Tokenizer.from_folder(path) if has_tokenizer_files(path) else _tokenizer(open_checkpoint(path))
     )
     words = tokenizer.backend.get_vocab_size(with_added_tokens=True) if tokenizer else 0
     vocab = decoder.config.vocab_size
@@ -325,9 +325,14 @@ def random_model(
     return Model(name, decoder, tokenizer, digest, time.perf_counter() - start)
 
 
+def has_tokenizer_files(path: Path) -> bool:
+    """Whether a folder holds a tokenizer.json: enough for random_model, which needs no weights."""
+    return (path / "tokenizer.json").is_file()
+
+
 def _tokenizer(checkpoint: SafetensorsFolder | GGUFFile) -> Tokenizer | None:
     if isinstance(checkpoint, GGUFFile):
         return _gguf_tokenizer(*_file_key(checkpoint.path))
-    if (checkpoint.folder / "tokenizer.json").exists():
+    if has_tokenizer_files(checkpoint.folder):
         return Tokenizer.from_folder(checkpoint.folder)
     return None  # tiny test checkpoints are scored from token ids

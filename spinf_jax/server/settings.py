@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spinf_jax.calibration import Calibration, CalibrationError, load_calibration
-from spinf_jax.loader import BUILTIN_MODELS, DEFAULT_MODEL, default_row_tile
+from spinf_jax.loader import BUILTIN_MODELS, DEFAULT_MODEL, default_row_tile, has_tokenizer_files
 from spinf_jax.packer import Buckets
 from spinf_jax.packs.format import PackError
 from spinf_jax.packs.loader import LoadedPack, load_packs
@@ -87,9 +87,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
     environment → a Launch, or SettingsError with every problem found."""
     problems: list[str] = []
     model = args.model or DEFAULT_MODEL
-    tokenizer_files = (
-        args.random_weights is not None and (Path(model).expanduser() / "tokenizer.json").is_file()
-    )
+    tokenizer_files = args.random_weights is not None and has_tokenizer_files(Path(model).expanduser())
     if not tokenizer_files and (problem := _model_problem(model)):
         problems.append(f"MODEL {model!r}: {problem}")
     precision = args.precision

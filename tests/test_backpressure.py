@@ -177,7 +177,9 @@ def test_a_client_that_leaves_is_not_scored(gemma_engine, monkeypatch):
         gate.set()
         busy.join(timeout=60)
         time.sleep(0.5)
-        assert scored == [1]  # only the busy request's tree: the abandoned one never reached a pass
+        # One launch, the busy request's: its tree, and its floor's unless an earlier test in this process
+        # cached it (so the count of trees depends on the order). The abandoned one never reached a pass.
+        assert len(scored) == 1 and scored[0] in (1, 2)
         assert runner.depth == 0
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spinf_jax.engine import Engine
+from spinf_jax.engine import Engine, Scored
 from spinf_jax.layout import QuestionKey, build_tree
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.packer import Buckets, content_trees, pack, read_trees
@@ -28,6 +28,17 @@ FAMILIES = ["gemma3", "qwen3", "gemma4", "gemma4-e2b", "gemma4-keqv"]
 
 def _engine(family: str, precision: str) -> Engine:
     return engines.engine(family, precision, (256, 512, 1024), block=32)
+
+
+def test_option_logprobs_sum_each_options_targets_as_numpy_does():
+    """Scored.option_logprobs sums every option of a tree at once; each sum has the bits of np.sum over that
+    option's targets in float64 (what it was before), for options of one to five tokens side by side."""
+    tree = build_tree([BOS], [5, 6, 7], QUESTIONS)
+    logprobs = -np.random.default_rng(0).exponential(3.0, len(tree.targets)).astype(np.float32)
+    scored = Scored(tree, logprobs, np.zeros(len(tree.read_rows), np.int32))
+    for i, options in enumerate(tree.options):
+        want = [np.sum(logprobs[idx], dtype=np.float64) for idx in options]
+        assert scored.option_logprobs(i).tobytes() == np.array(want).tobytes()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

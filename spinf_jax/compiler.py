@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from spinf_jax import api, orderings
@@ -26,6 +27,7 @@ from spinf_jax.layout import (
     MAX_GENERATED_TOKENS,
     SEARCH_WIDTH,
     Extract,
+    QuestionKey,
 )
 
 if TYPE_CHECKING:
@@ -68,6 +70,12 @@ class Question:
     option_ids: tuple[tuple[int, ...], ...]
     extract: Extract | None = None  # an extraction slot's settings (then no options)
     floor: bool = False  # also asked on empty content
+
+    @cached_property
+    def key(self) -> QuestionKey:
+        """What its scores depend on besides the content (the floor cache's key); built once per question,
+        which every content of a request shares."""
+        return QuestionKey(self.template_ids, self.option_ids, self.extract)
 
 
 @dataclass(frozen=True)

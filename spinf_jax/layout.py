@@ -79,17 +79,18 @@ class Tree:
     def trunk(token_ids: list[int]) -> "Tree":
         """A tree of trunk only: the tokens as one chain (spans are completed by whoever adds branches)."""
         tree = Tree()
-        for token in token_ids:
-            tree._push(token, len(tree.tokens))
+        tree._push(token_ids, 0)
         tree.trunk_tokens = len(tree.tokens)
         return tree
 
-    def _push(self, token: int, position: int) -> int:
-        self.tokens.append(token)
-        self.positions.append(position)
-        self.span_end.append(0)  # set when the token's subtree is complete
-        self.branch_start.append(len(self.tokens))
-        return len(self.tokens) - 1
+    def _push(self, tokens, position: int) -> int:
+        """Append a chain of tokens (each the next one's parent) from `position`; returns its first row."""
+        first, n = len(self.tokens), len(tokens)
+        self.tokens += tokens
+        self.positions += range(position, position + n)
+        self.span_end += [0] * n  # set when a token's subtree is complete
+        self.branch_start += range(first + 1, first + n + 1)
+        return first
 
     def _read_row(self, row: int) -> int:
         """The read index of a row, added the first time it is asked."""
@@ -112,10 +113,8 @@ def build_tree(prefix: list[int], content_ids: list[int], questions: list[Questi
     tree = Tree.trunk([*prefix, *content_ids])
     for q in questions:
         start = len(tree.tokens)
-        depth = tree.trunk_tokens
-        for token in q.template_ids:
-            tree._push(token, depth)
-            depth += 1
+        depth = tree.trunk_tokens + len(q.template_ids)
+        tree._push(q.template_ids, tree.trunk_tokens)
         slot_row = len(tree.tokens) - 1 if q.template_ids else tree.trunk_tokens - 1
         if slot_row < 0:
             raise ValueError("nothing to read the slot after: empty content and template, and no BOS")
@@ -129,10 +128,8 @@ def build_tree(prefix: list[int], content_ids: list[int], questions: list[Questi
             _add_option_trie(tree, q.option_ids, slot_row, depth)
         tree.branch_start[start:] = [start] * (len(tree.tokens) - start)
         # Template tokens are one chain; its span (and the trie below it) ends here.
-        for row in range(start, start + len(q.template_ids)):
-            tree.span_end[row] = len(tree.tokens)
-    for row in range(tree.trunk_tokens):
-        tree.span_end[row] = len(tree.tokens)
+        tree.span_end[start : start + len(q.template_ids)] = [len(tree.tokens)] * len(q.template_ids)
+    tree.span_end[: tree.trunk_tokens] = [len(tree.tokens)] * tree.trunk_tokens
     return tree
 
 
@@ -161,7 +158,7 @@ def _add_option_trie(tree: Tree, option_ids, slot_row: int, depth: int) -> None:
     order.sort(key=lambda p: tuple(first_seen[p[:k]] for k in range(1, len(p) + 1)))
     rows_by_prefix = {}
     for prefix in order:
-        rows_by_prefix[prefix] = tree._push(prefix[-1], depth + len(prefix) - 1)
+        rows_by_prefix[prefix] = tree._push(prefix[-1:], depth + len(prefix) - 1)
         nodes[prefix] = rows_by_prefix[prefix]
     # Spans: a node's subtree is every later node that extends it (contiguous thanks to the order).
     for i, prefix in enumerate(order):

@@ -95,7 +95,7 @@ class Scorer:
         trees, owners, wanted = [], [], {}
 
         def read(content_ids, queries, param) -> list[Tree]:
-            keys = [question_key(q) for query in queries for q in query.questions]
+            keys = [q.key for query in queries for q in query.questions]
             try:
                 chunks = content_trees(prefix, list(content_ids), keys, self.engine.buckets)
             except ValueError as e:
@@ -109,7 +109,7 @@ class Scorer:
                 owners += [(c, part)] * len(chunks)
                 if part == 0:  # a wrapping pack's floor is its wrapper around empty content (below)
                     questions = [q for query in queries for q in query.questions]
-                    wanted |= dict.fromkeys(question_key(q) for q in questions if q.floor)
+                    wanted |= dict.fromkeys(q.key for q in questions if q.floor)
         floors = self.engine.cached_floors(wanted)
         missing = [k for k in wanted if k not in floors]
         trees += budget.spend(build_tree(prefix, [], [k]) for k in missing)
@@ -158,7 +158,7 @@ class Scorer:
                 for start in range(0, len(query.questions), step):
                     q = query.questions[start]
                     mine, i = answered[i : i + step], i + step
-                    floor = floors.get(question_key(q)) if q.floor else None
+                    floor = floors.get(q.key) if q.floor else None
                     if q.extract is not None:
                         combinations.append(self._extracted(q, mine[0], floor))
                         continue
@@ -182,7 +182,7 @@ class Scorer:
                 if ask.content_ids is None:  # its questions follow the content's own in the shared read
                     count = sum(len(q.questions) for q in ask.queries)
                     own, i = answered[i : i + count], i + count
-                    floor = [floors[question_key(q)] for query in ask.queries for q in query.questions]
+                    floor = [floors[q.key] for query in ask.queries for q in query.questions]
                 else:
                     own = next(wrapped)
                     floor = _pack_floor(ask, pack_floors[ask.pack.pack.id])
@@ -261,11 +261,10 @@ def pack_result(ask: PackAsk, logprobs: list, floors: list) -> api.PackResult:
         combos[query.id] = [(_distribution(lp)[0], _distribution(fl)[0]) for lp, fl in pairs]
         k += n
     scores, listed = {}, []
+    options = {q.id: q.options for q in pack.questions}
     for category_id in ask.categories:
         category = pack.category(category_id)
-        cells = [
-            rules.cell_score(c, pack.question(c.question).options, combos[c.question]) for c in category.cells
-        ]
+        cells = [rules.cell_score(c, options[c.question], combos[c.question]) for c in category.cells]
         scores[category_id] = rules.category_score(category, [c.score for c in cells])
         listed += cells
     label, fired = rules.decide(pack, scores)
@@ -285,10 +284,6 @@ def pack_result(ask: PackAsk, logprobs: list, floors: list) -> api.PackResult:
             for c in listed
         ]  # fmt: skip
     return result
-
-
-def question_key(q: Question) -> QuestionKey:
-    return QuestionKey(tuple(q.template_ids), tuple(tuple(o) for o in q.option_ids), q.extract)
 
 
 def _question_results(result: "Scored") -> list:
@@ -332,10 +327,10 @@ def _answers(decoded: list[Decoded], extract: Extract, tokenizer) -> tuple[list[
 
 def _distribution(logprobs: np.ndarray) -> tuple[np.ndarray, float]:
     """Options' probabilities renormalised over the options, and the mass left outside them."""
-    top = float(np.max(logprobs))
+    top = float(logprobs.max())  # methods, not np.max and np.sum: a request makes thousands of these calls
     weights = np.exp(logprobs - top)
-    mass = math.exp(top) * float(np.sum(weights))
-    return weights / np.sum(weights), max(0.0, 1.0 - mass)
+    total = weights.sum()
+    return weights / total, max(0.0, 1.0 - math.exp(top) * float(total))
 
 
 def _calibrated(

@@ -47,6 +47,10 @@ def calibrate(baseline: Baseline | None, v: float) -> float:
     return (v - baseline.mean) / baseline.std
 
 
+# Plain Python over a handful of floats: a pack answer has ~100 cells, and numpy's per-call cost on lists of
+# one to a few values made these the server's largest host cost per pack request.
+
+
 def cell_score(
     cell: Cell, options: list[str], combos: list[tuple[np.ndarray, np.ndarray | None]]
 ) -> CellScore:
@@ -54,18 +58,21 @@ def cell_score(
     k = options.index(cell.option)
     ps = [float(p[k]) for p, _ in combos]
     floors = [None if f is None else float(f[k]) for _, f in combos]
-    v = float(np.mean([value(cell, p, f) for p, f in zip(ps, floors, strict=True)]))
-    floor = None if any(f is None for f in floors) else float(np.mean(floors))
-    return CellScore(cell.question, cell.option, v, calibrate(cell.baseline, v), float(np.mean(ps)), floor)
+    v = _mean([value(cell, p, f) for p, f in zip(ps, floors, strict=True)])
+    floor = None if None in floors else _mean(floors)
+    return CellScore(cell.question, cell.option, v, calibrate(cell.baseline, v), _mean(ps), floor)
 
 
 def category_score(category: Category, scores: list[float]) -> float:
     """scores: its cells' calibrated scores, in the order of category.cells."""
-    weights = np.array([c.weight for c in category.cells])
-    scores = np.array(scores)
+    weighted = [c.weight * s for c, s in zip(category.cells, scores, strict=True)]
     if category.combine == "max":
-        return float(np.max(weights * scores))
-    return float(np.sum(weights * scores) / np.sum(weights))
+        return max(weighted)
+    return sum(weighted) / sum(c.weight for c in category.cells)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def decide(pack: Pack, scores: dict[str, float]) -> tuple[str, list[Rule]]:

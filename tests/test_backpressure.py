@@ -213,7 +213,8 @@ def test_headers_that_never_finish_lose_their_connection(gemma_engine, monkeypat
 
 def test_the_next_batch_is_launched_before_the_first_is_answered():
     """While a batch runs on the device, the requests that arrive make the next batch; it is launched as
-    soon as the device is done, before the first batch's answers are built (which then overlap it)."""
+    soon as the device is done, before the first batch's answers are built (which then overlap it), and the
+    answers are built off the engine thread (it only launches and reads passes)."""
     events, done = [], threading.Event()
 
     class Device:
@@ -227,6 +228,7 @@ def test_the_next_batch_is_launched_before_the_first_is_answered():
             return [len(t) for t in launched.trees]
 
     def finish(plan, scored):
+        assert threading.current_thread().name != "spinf-engine"
         events.append(("answer", len(scored)))
         return scored
 
@@ -241,12 +243,7 @@ def test_the_next_batch_is_launched_before_the_first_is_answered():
     assert events == [("launch", 1)]
     done.set()
     assert [f.result(timeout=10) for f in [first, *later]] == [[1], [1, 1], [1, 1], [1, 1]]
-    assert events == [
-        ("launch", 1),
-        ("launch", 6),
-        ("answer", 1),
-        ("answer", 2),
-        ("answer", 2),
-        ("answer", 2),
-    ]
     runner.close()
+    # Answers are built on two threads: their order among themselves is not fixed.
+    assert events[:2] == [("launch", 1), ("launch", 6)]
+    assert sorted(events[2:]) == [("answer", 1), ("answer", 2), ("answer", 2), ("answer", 2)]

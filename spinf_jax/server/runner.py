@@ -1,8 +1,9 @@
 """One thread owns the device. It gathers the trees of concurrent requests into shared passes: with the
 device idle, a request waits for company at most `max_delay` seconds, or until the pending trees fill the
 largest bucket; with a batch on the device, the next batch is what arrives until the device is done, and it
-is launched before the first batch's answers are built. Scores do not depend on what shares a pass (see
-packer), so batching never changes an answer.
+is launched before the first batch's results are read. Responses are built on finisher threads, so this
+thread does nothing but launch passes and read their results. Scores do not depend on what shares a pass
+(see packer), so batching never changes an answer.
 
 It also knows how long the queue will take (tokens waiting over the tokens per second it measured), which is
 what a full queue tells clients to wait (Retry-After), and it drops the requests whose clients left. Each
@@ -13,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from spinf_jax.errors import ScoringError
@@ -21,6 +22,7 @@ from spinf_jax.errors import ScoringError
 # A plan is anything with `trees` (spinf_jax.scoring.Plan, spinf_jax.decisions.DecisionPlan); its finish
 # turns the plan and its trees' results into the response.
 Finish = Callable[[Any, list], Any]
+FINISHERS = 2  # threads building responses: they hold the GIL, so more would only interleave
 
 
 class QueueFull(Exception):
@@ -51,6 +53,8 @@ class Runner:
         self._tokens_per_second: float | None = None  # measured over recent passes
         self._closed = False
         self._lock = threading.Lock()
+        # Responses are built here, off the engine thread: it only launches passes and reads their results.
+        self._finishers = ThreadPoolExecutor(FINISHERS, thread_name_prefix="spinf-finish")
         self._thread = threading.Thread(target=self._loop, name="spinf-engine", daemon=True)
         self._thread.start()
 
@@ -90,6 +94,8 @@ class Runner:
             self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=60)
+        if not self._thread.is_alive():  # else it may still hand its last batch to the finishers
+            self._finishers.shutdown(wait=True)
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -174,10 +180,7 @@ class Runner:
                 continue
             mine = scored[offset : offset + len(plan.trees)]
             offset += len(plan.trees)
-            try:
-                ticket.set_result(finish(plan, mine))
-            except Exception as exc:  # noqa: BLE001
-                ticket.set_exception(exc)
+            self._finishers.submit(_settle, ticket, finish, plan, mine)
 
     def _measured(self, tokens: int, seconds: float) -> None:
         with self._lock:
@@ -187,3 +190,10 @@ class Runner:
             # should not set the estimate alone.
             old = self._tokens_per_second
             self._tokens_per_second = rate if old is None else 0.7 * old + 0.3 * rate
+
+
+def _settle(ticket: Ticket, finish: Finish, plan, scored: list) -> None:
+    try:
+        ticket.set_result(finish(plan, scored))
+    except Exception as exc:  # noqa: BLE001 - the request answers with it
+        ticket.set_exception(exc)

@@ -1,0 +1,134 @@
+"""What the server's CPU spends per request around a pass, step by step, for the request shapes of
+http_throughput.py: decode the body, plan (compile the request, lay out its trees, look up floors), pack the
+trees into passes, turn a pass's outputs into per-tree results, finish (the response object) and encode it.
+
+    python3 benchmarks/host_costs.py [--tokenizer FOLDER] [--buckets 4096,16384] [--out DIR]
+
+The steps are the server's own calls, timed one at a time on this machine's CPU (median of --repeats). The
+device pass itself is not a host cost and is not timed: each shape is scored once to have results to finish.
+Host costs depend on the tokenizer, the request and the buckets, not on the model's width or depth, so the
+model is a two-layer Gemma 3 with made-up weights (loader.random_model) and Gemma 3's real tokenizer (that of
+the default model, or a folder holding its tokenizer.json): the passes run in seconds even on a CPU.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import msgspec
+from common import GEMMA3_12B, seed_job, seed_request
+from http_throughput import article_bodies, pack_bodies, seventy_four
+
+from spinf_jax import api
+from spinf_jax.decoding import decode
+from spinf_jax.engine import Engine
+from spinf_jax.loader import DEFAULT_MODEL, random_model
+from spinf_jax.packer import Buckets, pack
+from spinf_jax.packs.compiled import compile_packs
+from spinf_jax.scoring import Scorer
+
+STEPS = ("decode", "plan", "pack", "results", "finish", "encode")
+# Gemma 3 12B's vocabulary, rope and attention pattern at two narrow layers.
+SMALL = GEMMA3_12B | {
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 64, "query_pre_attn_scalar": 64,
+}  # fmt: skip
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokenizer", default=DEFAULT_MODEL, help="a model or a folder with tokenizer.json")
+    parser.add_argument("--buckets", default="4096,16384")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=".")
+    return parser.parse_args()
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def costs(engine: Engine, scorer: Scorer, body: dict, repeats: int) -> dict:
+    raw = msgspec.json.encode(body)
+    request = decode(raw, api.ScoreRequest)
+    plan = scorer.plan(request)  # the first plan scores the floors; they are cached after it, as in serving
+    scored = engine.score_trees(plan.trees)
+    scorer.finish(plan, scored)
+    plan = scorer.plan(request)
+    scored = engine.score_trees(plan.trees)
+    launched = engine.launch(plan.trees)
+    running = list(launched.running)
+    outputs = [(p, tuple(map(lambda a: a.__array__(), out))) for p, out, _ in running]
+    engine.collect(launched)
+
+    def results():
+        for p, (logprobs, top) in outputs:
+            engine._scored(p, launched, logprobs, top)
+
+    response = scorer.finish(plan, scored)
+    ms = {
+        "decode": median_ms(lambda: decode(raw, api.ScoreRequest), repeats),
+        "plan": median_ms(lambda: scorer.plan(request), repeats),
+        "pack": median_ms(lambda: pack(plan.trees, engine.buckets), repeats),
+        "results": median_ms(results, repeats),
+        "finish": median_ms(lambda: scorer.finish(plan, scored), repeats),
+        "encode": median_ms(lambda: msgspec.json.encode(response), repeats),
+    }
+    return {
+        "inputs": plan.inputs,
+        "questions": plan.questions,
+        "trees": len(plan.trees),
+        "tokens": sum(len(t) for t in plan.trees),
+        "ms": ms,
+        "total_ms": sum(ms.values()),
+    }
+
+
+def table(rows: dict) -> str:
+    lines = [
+        "| request | inputs | questions | tokens | " + " | ".join(f"{s} ms" for s in STEPS) + " | total ms |",
+        "|---" * (len(STEPS) + 5) + "|",
+    ]
+    for name, r in rows.items():
+        steps = " | ".join(f"{r['ms'][s]:.2f}" for s in STEPS)
+        lines.append(
+            f"| {name} | {r['inputs']} | {r['questions']} | {r['tokens']} | {steps} | {r['total_ms']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = arguments()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "gemma3-small.json"
+    config.write_text(json.dumps(SMALL))
+    model = random_model(config, args.tokenizer, "fp32")
+    engine = Engine(model, Buckets(tuple(int(b) for b in args.buckets.split(","))))
+    scorer = Scorer(engine, packs=compile_packs(None, model.tokenizer))
+    job = seed_job()
+    shapes = {
+        "seed job, one request": seed_request(job),
+        "one article, 56 questions": article_bodies(job)[0],
+        "one article, 74 questions": seventy_four(job)[0],
+        "moderation pack, 32 messages": pack_bodies()[0],
+        "moderation pack, 1 message": pack_bodies(1)[0],
+    }
+    rows = {name: costs(engine, scorer, body, args.repeats) for name, body in shapes.items()}
+    text = table(rows)
+    (out / "host_costs.json").write_text(json.dumps({"model": model.name, "rows": rows}, indent=1))
+    (out / "host_costs.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

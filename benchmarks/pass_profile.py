@@ -1,0 +1,134 @@
+"""Where a pass's device time goes at a real model shape: the seed job's passes under the JAX profiler, each
+GPU kernel put in a class (fp8/bf16 GEMMs, tree attention, norms and reductions, quantization and casts,
+other elementwise fusions), with the device's busy share of the passes' wall time.
+
+    python3 benchmarks/pass_profile.py --tokenizer TOKENIZER_JSON --out $OUT [--buckets 4096,16384]
+
+The engine is Gemma 3 12B's shape with made-up weights (common.random_engine): speed does not depend on the
+values. The seed job is scored once to compile and warm, then `--repeats` times inside `jax.profiler.trace`;
+the kernels of the trace's GPU streams are summed by class. Writes pass_profile.json (every kernel name with
+its class, calls and seconds) and pass_profile.md (the table), and prints the table.
+"""
+
+import gzip
+import json
+import re
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+from common import engine_args, random_engine, seed_job, seed_request
+
+# Kernel name patterns, first match wins. cuBLAS(Lt) names its GEMMs sm90_xmma_gemm_*, nvjet_* or
+# cutlass_*; XLA names its own fusions after their root op (loop_/input_ fusions, reduce_, convert_).
+CLASSES = (
+    ("tree attention (Pallas)", re.compile(r"tree_attention|decode_attention")),
+    ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|triton_gemm|dot", re.I)),
+    ("norms and reductions", re.compile(r"reduce|norm|softmax|argmax", re.I)),
+    ("quantization and casts", re.compile(r"convert|quant|scale|e4m3|bitcast", re.I)),
+    ("copies and gathers", re.compile(r"copy|gather|scatter|dynamic.?slice|transpose|concatenate", re.I)),
+    ("other fusions", re.compile(r".")),
+)
+
+
+def kernel_class(name: str) -> str:
+    return next(label for label, pattern in CLASSES if pattern.search(name))
+
+
+def device_kernels(trace_dir: Path) -> list[tuple[str, float, float]]:
+    """(kernel name, start µs, duration µs) of every event on a GPU stream, newest trace in the folder."""
+    [trace] = sorted(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"))[-1:]
+    with gzip.open(trace) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    gpu = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+        and "/device:GPU" in e["args"].get("name", "")
+    }  # fmt: skip
+    # The GPU process also has lines that repeat the kernels' time by XLA op and module: keep the streams.
+    threads = {
+        (e["pid"], e["tid"]): e["args"].get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu
+    }
+    streams = {key for key, name in threads.items() if not re.search(r"XLA (Ops|Modules)|Steps", name)}
+    print("GPU lines kept:", sorted(threads[k] for k in streams))
+    return [
+        (e["name"], float(e["ts"]), float(e["dur"]))
+        for e in events
+        if e.get("ph") == "X" and (e["pid"], e["tid"]) in streams
+    ]
+
+
+def summarize(kernels: list[tuple[str, float, float]], wall_s: float) -> dict:
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, _, dur in kernels:
+        by_name[name][0] += 1
+        by_name[name][1] += dur / 1e6
+    classes: dict[str, float] = defaultdict(float)
+    for name, (_, seconds) in by_name.items():
+        classes[kernel_class(name)] += seconds
+    busy = sum(classes.values())
+    return {
+        "wall_s": wall_s,
+        "kernel_s": busy,
+        "busy_share": busy / wall_s,
+        "classes": {k: {"seconds": v, "share_of_kernels": v / busy} for k, v in classes.items()},
+        "kernels": sorted(
+            (
+                {"name": n, "class": kernel_class(n), "calls": c, "seconds": s}
+                for n, (c, s) in by_name.items()
+            ),
+            key=lambda k: -k["seconds"],
+        ),
+    }
+
+
+def table(summary: dict, label: str) -> str:
+    lines = [
+        f"{label}: the calls' wall {summary['wall_s']:.3f} s, kernels {summary['kernel_s']:.3f} s "
+        f"(device busy {summary['busy_share']:.0%} of the wall)",
+        "",
+        "| class | seconds | share of kernel time |",
+        "|---|---|---|",
+    ]
+    for name, row in sorted(summary["classes"].items(), key=lambda kv: -kv[1]["seconds"]):
+        lines.append(f"| {name} | {row['seconds']:.4f} | {row['share_of_kernels']:.1%} |")
+    lines += ["", "| the 12 longest kernels | class | calls | seconds |", "|---|---|---|---|"]
+    for k in summary["kernels"][:12]:
+        lines.append(f"| `{k['name'][:90]}` | {k['class']} | {k['calls']} | {k['seconds']:.4f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = engine_args(__doc__)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = random_engine(args)
+    request = seed_request(seed_job())
+    engine.score(request)  # compile, warm, and cache the floors: the traced calls score contents only
+    engine.score(request)
+    trace_dir = Path(tempfile.mkdtemp())  # the raw trace is large: only the summary is kept
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        start = time.perf_counter()
+        for _ in range(args.repeats):
+            engine.score(request)
+        wall = time.perf_counter() - start
+    kernels = device_kernels(trace_dir)
+    if not kernels:
+        raise SystemExit("no GPU kernels in the trace: this profiles a GPU run (JAX_PLATFORMS=cuda)")
+    summary = summarize(kernels, wall)
+    summary |= {"device": jax.devices()[0].device_kind, "buckets": list(engine.buckets.sizes),
+                "precision": args.precision, "repeats": args.repeats}  # fmt: skip
+    text = table(summary, f"seed job × {args.repeats}, Gemma 3 12B shape, {args.precision}, random weights")
+    (out / "pass_profile.json").write_text(json.dumps(summary, indent=1))
+    (out / "pass_profile.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -31,11 +31,13 @@ def default_sizes() -> tuple[int, ...]:
 class Buckets:
     sizes: tuple[int, ...] = (2048, 4096, 8192, 16384)
     block: int = 128
-    # Reads and targets a pass holds: one read per `read_every` rows, `targets_per_row` targets per row.
-    # Serving reads about once per 20 tokens; parity reads every position with six targets each
-    # (parity.reference_buckets), which at the serving capacities took six passes where one does.
-    read_every: int = 4
-    targets_per_row: int = 1
+    # Reads and targets a pass holds: one read per `read_every` rows, `targets_per_row` targets per row. A
+    # pass computes only the reads it holds (engine._read), so capacity costs index arrays, not work: every
+    # row can be read. A read per 4 rows and a target per row cut the moderation pack's passes by reads and
+    # targets (0.37 reads and 1.2 targets per aligned row): 7 passes where 4 hold it. Parity reads every
+    # position with six targets each (parity.reference_buckets).
+    read_every: int = 1
+    targets_per_row: int = 2
     # What a pass costs beyond its rows, in rows (pack): launching it, its host work, and on the CPU the
     # full-vocabulary read tile every pass with a read computes. Measured: a 4,096-row pass at the Gemma 3
     # 12B shape took ~0.14 s on the H200 against ~0.58 s for 16,384 rows; Gemma 3 270M on the CPU 0.74 s

@@ -138,7 +138,8 @@ def test_sequence_read_at_every_row_scores_the_same_bits_split_over_trees(engine
     ids = _content(21, 120)
     reads = {t: [ids[t + 1] if t + 1 < len(ids) else 7, 5, 9] for t in range(len(ids))}
     whole = read_trees(ids, reads, engine.buckets)
-    split = read_trees(ids, reads, Buckets((256,), block=32))  # 360 targets: over the 256-token bucket's
+    # 360 targets: over the 256 a 256-row bucket holds at one target per row
+    split = read_trees(ids, reads, Buckets((256,), block=32, targets_per_row=1))
     assert len(whole) == 1 and len(split) == 2
     [one] = engine.score_trees(whole)
     parts = engine.score_trees(split)

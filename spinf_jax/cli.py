@@ -381,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         help="for benchmarks: made-up weights at the shape of this transformers config.json, with MODEL's "
         "tokenizer (scores mean nothing)",
     )
+    p.add_argument(
+        "--warm-extraction",
+        action="store_true",
+        help="also compile the extraction programs before reporting ready ({*}, {n}, {$} slots)",
+    )
     p.add_argument("--log-level", default="info", metavar="{critical,error,warning,info,debug,trace}")
     p.add_argument("--check", action="store_true", help="check the settings, then exit: 0 if valid, else 2")
     p.set_defaults(run=_serve)

@@ -30,6 +30,7 @@ from spinf_jax.layout import (
     MAX_CLOSING_TOKENS,
     MAX_GENERATED_TOKENS,
     SEARCH_WIDTH,
+    Extract,
     QuestionKey,
     Tree,
     build_tree,
@@ -263,6 +264,7 @@ class Engine:
         self._graphdef = graphdef
         self._programs: dict[int, jax.stages.Compiled] = {}  # bucket size → its compiled pass
         self._warm: set[int] = set()  # bucket sizes whose program has run once (warmup)
+        self._warm_extraction: set[int] = set()  # bucket sizes whose extraction programs have run
         # Extraction: a pass that also hands back its keys and values, then fixed-shape decode steps of
         # [G × W] rows in buckets of decode_sizes rows (spinf_jax.extraction).
         tile, self.decode_sizes = decode_shapes()
@@ -293,10 +295,14 @@ class Engine:
         """precision None: the one a `spinf-jax quantize` folder was written for, else bf16."""
         return cls(load_model(spec, precision, progress), **kwargs)
 
-    def warmup(self, progress: Progress | None = None) -> None:
+    def warmup(self, progress: Progress | None = None, extraction: bool = False) -> None:
         """Compile every bucket's program now and run it once (the server does this before it reports
         ready); each program is a step of "compile" (progress), with its bucket size and seconds. A bucket
-        already warmed is not run again (an app started on an engine that served before starts at once)."""
+        already warmed is not run again (an app started on an engine that served before starts at once).
+
+        With extraction, also every program extraction runs (`serve --warm-extraction`): each bucket's pass
+        that returns keys and values, and the first candidates and decode steps at every decode size, for
+        searched and generated slots; else the first request with a slot in a bucket compiles them."""
         cold = [size for size in self.buckets.sizes if size not in self._warm]
         with Steps(progress, "compile", len(cold), "program") as step:
             for size in cold:
@@ -304,6 +310,31 @@ class Engine:
                 self._run_pass(self._empty_pass(size))
                 self._warm.add(size)
                 step(bucket=size, seconds=round(time.perf_counter() - start, 2))
+        if not extraction:
+            return
+        cold = [size for size in self.buckets.sizes if size not in self._warm_extraction]
+        with Steps(progress, "compile_extraction", len(cold), "bucket") as step:
+            for size in cold:
+                start = time.perf_counter()
+                for tree in self._extraction_warmup_trees():
+                    [p] = pack([tree], self._bucket(size))
+                    self._extract_and_decode(p, Launched([tree], [None]))
+                self._warm_extraction.add(size)
+                step(bucket=size, seconds=round(time.perf_counter() - start, 2))
+
+    def _extraction_warmup_trees(self) -> list[Tree]:
+        """One tree per decode size, on empty content: enough two-token slots of each width (searched and
+        generated) that their rows need that size, so decoding them compiles its programs."""
+        trees = []
+        for smaller in (0, *self.decode_sizes[:-1]):
+            rows = smaller + 1  # the fewest rows that take the next size
+            questions = [
+                QuestionKey((0,), extract=Extract(max_answers=1, max_tokens=2, generate=generate))
+                for generate in (False, True)
+                for _ in range(-(-rows // (1 if generate else SEARCH_WIDTH)))
+            ]
+            trees.append(build_tree([0], [], questions))
+        return trees
 
     def program(self, size: int) -> jax.stages.Compiled:
         """One bucket's compiled program, compiled on first use (warmup compiles them all)."""
@@ -369,9 +400,7 @@ class Engine:
                     self._collect_oldest(launched)
                 launched.running.append((p, self.program(p.size)(*self._pass_args(p)), start))
                 continue
-            logprobs, top, hidden, cache = self._extract(*self._pass_args(p))
-            self._scored(p, launched, np.asarray(logprobs), np.asarray(top))
-            self._decode(p, trees, launched.out, slots, hidden, cache)
+            self._extract_and_decode(p, launched)
             self._ran(p, start)
         return launched
 
@@ -401,6 +430,14 @@ class Engine:
 
     # -----------------------------------------------------------------------------------------------------
     # Extraction
+
+    def _extract_and_decode(self, p: Pass, launched: Launched) -> None:
+        """A pass with extraction slots, to the end: the pass that also returns keys and values, then its
+        slots' decode steps."""
+        slots = [(t, slot) for t in p.tree_ids for slot in launched.trees[t].slots]
+        logprobs, top, hidden, cache = self._extract(*self._pass_args(p))
+        self._scored(p, launched, np.asarray(logprobs), np.asarray(top))
+        self._decode(p, launched.trees, launched.out, slots, hidden, cache)
 
     def _search(self, slot) -> SlotSearch:
         closing, tokenizer = slot.extract.closing_ids, self.model.tokenizer

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spinf_jax import engine as engine_module
 from spinf_jax.engine import Engine
 from spinf_jax.extraction import CANDIDATES, SlotSearch
 from spinf_jax.layout import Extract, QuestionKey, build_tree
@@ -191,3 +192,20 @@ def test_numbers_and_amounts_have_values(gemma_engine):
     assert len(total["answers"]) == 3 and "floor_answers" not in total
     assert people["answers"][0]["value"] == 14.0 and people["answers"][0]["text"] == "14"
     assert all(isinstance(a["value"], float) for a in people["answers"] + people["floor_answers"])
+
+
+def test_warmup_compiles_every_extraction_program():
+    """`warmup(extraction=True)` (`serve --warm-extraction`) compiles what extraction runs, for each bucket:
+    a request with searched and generated slots afterwards compiles nothing, and a second warmup runs
+    nothing. One decode size here, to keep it short; warmup covers each size the same way."""
+    engine = Engine(engines.model("gemma3"), _buckets(2))
+    engine.decode_sizes = engine.decode_sizes[:1]
+    programs = (engine_module._extract_pass, engine_module._first_candidates, engine_module._decode_step)
+    engine.warmup(extraction=True)
+    compiled = [f._cache_size() for f in programs]
+    questions = [QuestionKey((5, 6), extract=Extract()), QuestionKey((7,), extract=Extract(generate=True))]
+    [scored] = engine.score_trees([build_tree([2], list(range(20, 60)), questions)])
+    assert len(scored.answers[0]) > 1 and len(scored.answers[1]) == 1  # searched, generated
+    assert [f._cache_size() for f in programs] == compiled
+    engine._extract_and_decode = lambda *_: pytest.fail("warmed buckets are not run again")
+    engine.warmup(extraction=True)

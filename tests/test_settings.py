@@ -51,7 +51,8 @@ def test_serve_starts_with_the_settings_read(serve, tmp_path, monkeypatch):
     assert status == 0
     assert settings.api_keys == ("k-0", "k-1", "k-2")
     assert (settings.max_queue, settings.buckets, settings.served_names) == (8, (256, 1024), ("alias",))
-    assert (settings.max_delay_ms, settings.metrics_auth) == (2.5, False)
+    assert (settings.max_delay_ms, settings.metrics_auth, settings.warm_extraction) == (2.5, False, False)
+    assert serve("--warm-extraction")[3].warm_extraction
 
 
 def test_every_problem_is_reported_at_once(serve, tmp_path):

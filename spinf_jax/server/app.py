@@ -83,7 +83,7 @@ class Server:
             engine = engine or Engine.load(s.model, s.precision, progress, buckets=buckets)
             start = time.perf_counter()
             engine.on_pass = self.metrics.on_pass
-            engine.warmup(progress)
+            engine.warmup(progress, extraction=s.warm_extraction)
             self.memory_needed = engine.device_bytes_needed()
             check_fits(self.memory_needed, s.device_memory_cap_gib)
             self.packs = compile_packs(s.packs, engine.model.tokenizer)

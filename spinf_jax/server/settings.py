@@ -48,6 +48,9 @@ class Settings:
     # A transformers config.json: serve made-up weights at its shape with the model's tokenizer (for
     # benchmarks; loader.random_model). None: the model's own weights.
     random_weights: Path | None = None
+    # Compile the extraction programs at start too (Engine.warmup): else a bucket's first request with a
+    # {*}, {n} or {$} slot compiles them.
+    warm_extraction: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         device_memory_cap_gib=cap_gib,
         progress=True,
         random_weights=random_weights,
+        warm_extraction=args.warm_extraction,
     )
     return Launch(settings, args.host, port, args.log_level.lower(), cache)
 

@@ -386,3 +386,14 @@ def test_random_weights_are_served_at_a_config_shape(tmp_path):
         reply = client.post("/v1/score", json=without_extraction() | {"model": "random:small-49k"})
         assert reply.status_code == 200, reply.text
         assert reply.json()["system_fingerprint"] == health["system_fingerprint"]
+
+
+def test_warm_extraction_is_asked_of_the_engine_at_start(engine, monkeypatch):
+    """`serve --warm-extraction` (Settings.warm_extraction) reaches Engine.warmup, which test_extraction
+    shows compiles every extraction program; without the flag the start compiles score programs only."""
+    asked = []
+    monkeypatch.setattr(engine, "warmup", lambda progress=None, extraction=False: asked.append(extraction))
+    for warm in (True, False):
+        with TestClient(create_app(Settings(MODEL, warm_extraction=warm, packs={}), engine)) as client:
+            assert loaded(client)["status"] == "ok"
+    assert asked == [True, False]

@@ -22,8 +22,9 @@ requests answered from its start to its last answer.
 
 Reported per part: questions/s (messages/hour for the pack), useful tokens/s (content and question tokens:
 floors are cached after the first request), model-FLOPs utilisation (2 × linear parameters × useful tokens)
-over the fp8 GEMM peak, p50/p99 latency, and the server process's CPU seconds per request (/proc). Random
-weights at the real shape: speed does not depend on the values.
+over the fp8 GEMM peak, p50/p99 latency, and the server process's CPU seconds per request (/proc: every
+thread, including the engine thread's host-side waits inside a pass on GPUs; benchmarks/host_costs.py
+measures the request work itself). Random weights at the real shape: speed does not depend on the values.
 """
 
 import argparse

@@ -394,8 +394,7 @@ class Engine:
         launched = Launched(trees, [None] * len(trees))
         for p in pack(trees, self.buckets):
             start = time.perf_counter()
-            slots = [(t, slot) for t in p.tree_ids for slot in trees[t].slots]
-            if not slots:
+            if not any(trees[t].slots for t in p.tree_ids):
                 if len(launched.running) == IN_FLIGHT:
                     self._collect_oldest(launched)
                 launched.running.append((p, self.program(p.size)(*self._pass_args(p)), start))

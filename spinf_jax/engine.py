@@ -44,7 +44,7 @@ from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.progress import Progress, Steps
 from spinf_jax.scoring import Scorer
 
-ENGINE_VERSION = "5"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
+ENGINE_VERSION = "6"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
 # Passes launched and not yet read back, at most (Engine.launch): the device runs one while the host launches
 # the next; each holds its outputs and temporaries on the device, so more would only take memory.
 IN_FLIGHT = 2
@@ -85,47 +85,46 @@ def use_compilation_cache(path) -> None:
 # The weights are always an argument, never a constant.
 
 
-def _read(decoder, hidden, read_rows, read_chunks, target_read, target_token, row_tile):
-    """Every target's log-prob [max_targets], and the most likely next token at each read row [max_reads]
-    (from the same full-vocabulary logits as the log-softmax normalisers).
-
-    Only the first `read_chunks` chunks of READ_CHUNK reads are computed: a pass holds as many reads as its
-    trees ask for, and the rest of its read capacity is padding whose full-vocabulary logits would be thrown
-    away (at Gemma 3 270M on the CPU, the padding reads of a 256-row pass cost as much as its layers). The
-    count is an argument, not a shape: the loop is a while loop in every pass, each chunk the same GEMM,
-    so a read's bits do not depend on how many chunks run. Padding reads come back as 0."""
-    hidden = hidden[read_rows]  # [R, D]
-    chunks = hidden.reshape(-1, READ_CHUNK, hidden.shape[-1])  # [R / READ_CHUNK, READ_CHUNK, D]
-
-    def read(i, out):  # chunk i: normaliser and argmax per row
-        logits = decoder.logits(chunks[i])
-        norm, top = jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return out[0].at[i].set(norm), out[1].at[i].set(top)
-
-    empty = (jnp.zeros(chunks.shape[:2], jnp.float32), jnp.zeros(chunks.shape[:2], jnp.int32))
-    norm, top = (x.reshape(-1) for x in jax.lax.fori_loop(0, read_chunks, read, empty))
-    picked = by_rows(decoder.token_logits, row_tile, hidden[target_read], target_token)
-    # The target logit comes from a row-wise dot, the normaliser from the GEMM: they can disagree in the
-    # last bits, so a certain token could come out at +1e-7. Clamp to a probability.
-    return jnp.minimum(picked - norm[target_read], 0.0), top
+def _targets(decoder, hidden, read_rows, target_read, target_token, row_tile):
+    """The final hidden state at every read row [max_reads, D], and every target's logit [max_targets] (a
+    row-wise dot with its read's hidden state: the target's log-prob less its read's normaliser, which
+    _read_chunk computes)."""
+    hidden = hidden[read_rows]
+    return by_rows(decoder.token_logits, row_tile, hidden[target_read], target_token), hidden
 
 
 @partial(jax.jit, static_argnames=("graphdef", "row_tile"))
 def _score_pass(weights, batch: TreeBatch, reads, *, graphdef, row_tile):
-    """One pass: its targets' log-probs and its reads' most likely tokens (_read; reads: Engine._reads)."""
+    """One pass: its targets' logits and its reads' hidden states (_targets; reads: Engine._reads)."""
     decoder = nnx.merge(graphdef, weights)
-    return _read(decoder, decoder(batch, row_tile), *reads, row_tile)
+    return _targets(decoder, decoder(batch, row_tile), *reads, row_tile)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "row_tile"))
 def _extract_pass(weights, batch: TreeBatch, reads, *, graphdef, row_tile):
-    """_score_pass, and what decoding the pass's extraction slots continues from: the final hidden state at
-    every read row [max_reads, D] and the layers' keys and values (Decoder.forward: [repeats, T, K, D] per
-    stack and position, None for layers that read another's). A second program, so that passes without
-    extraction slots keep their outputs small."""
+    """_score_pass, and the layers' keys and values, which decoding the pass's extraction slots continues
+    from (Decoder.forward: [repeats, T, K, D] per stack and position, None for layers that read another's). A
+    second program, so that passes without extraction slots keep their outputs small."""
     decoder = nnx.merge(graphdef, weights)
     hidden, kv = decoder.forward(batch, row_tile)
-    return (*_read(decoder, hidden, *reads, row_tile), hidden[reads[0]], kv)
+    return (*_targets(decoder, hidden, *reads, row_tile), kv)
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def _read_chunk(weights, hidden, chunk, *, graphdef):
+    """Reads chunk × READ_CHUNK onwards of a pass (hidden: _targets' [max_reads, D]): each one's log-softmax
+    normaliser and most likely next token [READ_CHUNK], from the same full-vocabulary logits.
+
+    A program of its own, launched once per chunk a pass uses (Engine._read_chunks): a pass's reads are as
+    many as its trees ask for, and the rest of its read capacity is padding whose full-vocabulary logits would
+    be thrown away (at Gemma 3 270M on the CPU, the padding reads of a 256-row pass cost as much as its
+    layers). Every chunk is the same GEMM shape in every bucket, so a read's bits depend on nothing else in
+    the pass. The host knows the count: in the pass program it was a while loop with a trip count on the
+    device, and XLA:GPU copies such a loop's condition to the host every iteration, so launching a pass
+    waited for the pass (on the H200, 136 of a 137 ms pass; 69 ms after, the host enqueueing the program)."""
+    decoder = nnx.merge(graphdef, weights)
+    logits = decoder.logits(jax.lax.dynamic_slice_in_dim(hidden, chunk * READ_CHUNK, READ_CHUNK))
+    return jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def _choose(decoder, hidden, kind, closing_first, ends, forced, masks, tile):
@@ -217,11 +216,13 @@ class Launched:
 
     trees: list[Tree]
     out: list[Scored | None]
-    running: list[tuple[Pass, tuple[jax.Array, jax.Array], float]] = field(default_factory=list)
+    # Each with its outputs on the device (Engine._launch_pass: targets' logits, and per read chunk its
+    # normalisers and top tokens) and the time it was launched.
+    running: list[tuple[Pass, tuple, float]] = field(default_factory=list)
 
     def ready(self) -> bool:
         """Whether every pass has finished on the device (collect would not wait)."""
-        return all(outputs[0].is_ready() for _, outputs, _ in self.running)
+        return all(x.is_ready() for _, outputs, _ in self.running for x in jax.tree.leaves(outputs))
 
     def wait(self) -> None:
         jax.block_until_ready([outputs for _, outputs, _ in self.running])
@@ -270,6 +271,7 @@ class Engine:
         tile, self.decode_sizes = decode_shapes()
         self.decode_tile = tile
         self._extract = partial(_extract_pass, graphdef=graphdef, row_tile=model.row_tile)
+        self._read = partial(_read_chunk, graphdef=graphdef)
         self._first = partial(_first_candidates, graphdef=graphdef, tile=tile)
         self._step = partial(_decode_step, graphdef=graphdef, tile=tile, block=self.buckets.block)
         size = model.config.vocab_size
@@ -361,17 +363,36 @@ class Engine:
     def _pass_args(self, p: Pass) -> tuple:
         arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)
         batch = TreeBatch(*map(jnp.asarray, arrays))
-        return self._weights, batch, self._reads(p)
+        return self._weights, batch, (p.read_rows, p.target_read, p.target_token)
+
+    def _launch_pass(self, p: Pass) -> tuple:
+        """Launch a pass's program and its read chunks without waiting for them: (its targets' logits,
+        [(normalisers, top tokens)] per chunk) on the device (_results reads them back)."""
+        picked, hidden = self.program(p.size)(*self._pass_args(p))
+        return picked, self._read_chunks(p, hidden)
+
+    def _read_chunks(self, p: Pass, hidden: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+        """The chunks of reads the pass uses, launched (_read_chunk); one at least, so that every warm-up
+        compiles the program."""
+        chunks = max(1, -(-p.reads // READ_CHUNK))
+        return [self._read(self._weights, hidden, np.int32(i)) for i in range(chunks)]
 
     @staticmethod
-    def _reads(p: Pass) -> tuple:
-        """A pass's reads as _read takes them: the rows, how many READ_CHUNKs of them are used, and the
-        targets' reads and tokens."""
-        chunks = np.int32(-(-p.reads // READ_CHUNK))
-        return p.read_rows, chunks, p.target_read, p.target_token
+    def _results(p: Pass, picked: jax.Array, chunks: list) -> tuple[np.ndarray, np.ndarray]:
+        """A pass's targets' log-probs [max_targets] and its reads' most likely tokens [max_reads] (0 where a
+        read is padding), on the host."""
+        norm = np.zeros(len(p.read_rows), np.float32)
+        top = np.zeros(len(p.read_rows), np.int32)
+        for i, (chunk_norm, chunk_top) in enumerate(chunks):
+            rows = slice(i * READ_CHUNK, (i + 1) * READ_CHUNK)
+            norm[rows], top[rows] = np.asarray(chunk_norm), np.asarray(chunk_top)
+        # The target logit comes from a row-wise dot, the normaliser from the GEMM: they can disagree in the
+        # last bits, so a certain token could come out at +1e-7. Clamp to a probability. (float32, as on the
+        # device: one rounding, the same bits wherever it runs.)
+        return np.minimum(np.asarray(picked) - norm[p.target_read], np.float32(0)), top
 
     def _run_pass(self, p: Pass) -> tuple[np.ndarray, np.ndarray]:
-        return tuple(map(np.asarray, self.program(p.size)(*self._pass_args(p))))
+        return self._results(p, *self._launch_pass(p))
 
     def lowered(self, size: int) -> jax.stages.Lowered:
         """One bucket's program, lowered, for inspection (`.compile().memory_analysis()`, `.as_text()`)."""
@@ -397,7 +418,7 @@ class Engine:
             if not any(trees[t].slots for t in p.tree_ids):
                 if len(launched.running) == IN_FLIGHT:
                     self._collect_oldest(launched)
-                launched.running.append((p, self.program(p.size)(*self._pass_args(p)), start))
+                launched.running.append((p, self._launch_pass(p), start))
                 continue
             self._extract_and_decode(p, launched)
             self._ran(p, start)
@@ -410,8 +431,8 @@ class Engine:
         return launched.out
 
     def _collect_oldest(self, launched: Launched) -> None:
-        p, (logprobs, top), start = launched.running.pop(0)
-        self._scored(p, launched, np.asarray(logprobs), np.asarray(top))
+        p, outputs, start = launched.running.pop(0)
+        self._scored(p, launched, *self._results(p, *outputs))
         self._ran(p, start)
 
     def _scored(self, p: Pass, launched: Launched, logprobs: np.ndarray, top: np.ndarray) -> None:
@@ -434,8 +455,8 @@ class Engine:
         """A pass with extraction slots, to the end: the pass that also returns keys and values, then its
         slots' decode steps."""
         slots = [(t, slot) for t in p.tree_ids for slot in launched.trees[t].slots]
-        logprobs, top, hidden, cache = self._extract(*self._pass_args(p))
-        self._scored(p, launched, np.asarray(logprobs), np.asarray(top))
+        picked, hidden, cache = self._extract(*self._pass_args(p))
+        self._scored(p, launched, *self._results(p, picked, self._read_chunks(p, hidden)))
         self._decode(p, launched.trees, launched.out, slots, hidden, cache)
 
     def _search(self, slot) -> SlotSearch:

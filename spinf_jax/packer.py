@@ -32,9 +32,9 @@ class Buckets:
     sizes: tuple[int, ...] = (2048, 4096, 8192, 16384)
     block: int = 128
     # Reads and targets a pass holds: one read per `read_every` rows, `targets_per_row` targets per row. A
-    # pass computes only the reads it holds (engine._read), so capacity costs index arrays, not work: every
-    # row can be read. A read per 4 rows and a target per row cut the moderation pack's passes by reads and
-    # targets (0.37 reads and 1.2 targets per aligned row): 7 passes where 4 hold it. Parity reads every
+    # pass computes only the reads it holds (engine._read_chunk), so capacity costs index arrays, not work:
+    # every row can be read. A read per 4 rows and a target per row cut the moderation pack's passes by reads
+    # and targets (0.37 reads and 1.2 targets per aligned row): 7 passes where 4 hold it. Parity reads every
     # position with six targets each (parity.reference_buckets).
     read_every: int = 1
     targets_per_row: int = 2

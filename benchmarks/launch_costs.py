@@ -1,0 +1,111 @@
+"""How long launching a pass holds the host, against the pass's whole time, and what the host does meanwhile.
+
+    python3 benchmarks/launch_costs.py --tokenizer TOKENIZER_JSON --out $OUT [--buckets 4096,16384]
+
+The engine is Gemma 3 12B's shape with made-up weights (common.random_engine); the passes are the seed job's.
+For the first pass of each bucket size: the time `Engine._launch_pass` takes to return (the program and its
+read chunks dispatched; JAX returns before the device is done unless something in the program waits for the
+device) and the time until its outputs are ready, the median of --repeats. Then --repeats launches of the
+largest bucket's pass run under `jax.profiler.trace`, and the host events inside the launches are summed by
+name (digits folded to N): whether the host waited on the device (a predicate copied back, a synchronize) or
+spent its time enqueueing the program's thunks. Writes launch_costs.json and launch_costs.md.
+"""
+
+import collections
+import gzip
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+from common import engine_args, random_engine, seed_job, seed_request
+
+from spinf_jax.packer import pack
+
+
+def launch_times(engine, p, repeats: int) -> dict:
+    jax.block_until_ready(engine._launch_pass(p))  # compiled and warm
+    launch, total = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = engine._launch_pass(p)
+        launch.append(time.perf_counter() - start)
+        jax.block_until_ready(outputs)
+        total.append(time.perf_counter() - start)
+    return {"size": p.size, "reads": p.reads, "launch_ms": 1e3 * statistics.median(launch),
+            "total_ms": 1e3 * statistics.median(total)}  # fmt: skip
+
+
+def host_events(engine, p, repeats: int) -> dict:
+    """Host events inside traced launches, by name: calls and milliseconds per launch."""
+    folder = Path(tempfile.mkdtemp())
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        for i in range(repeats):
+            with jax.profiler.TraceAnnotation(f"launch-{i}"):
+                outputs = engine._launch_pass(p)
+            jax.block_until_ready(outputs)
+    [trace] = sorted(folder.glob("plugins/profile/*/perfetto_trace.json.gz"))[-1:]
+    with gzip.open(trace) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    device = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name" and "/device:" in e["args"].get("name", "")
+    }
+    spans = [e for e in events if e.get("ph") == "X" and e["pid"] not in device]
+    launches = [
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in spans if e["name"].startswith("launch-")
+    ]
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in spans:
+        if not e["name"].startswith("launch-") and any(a <= float(e["ts"]) < b for a, b in launches):
+            row = by_name[re.sub(r"\d+", "N", e["name"])]
+            row[0] += 1
+            row[1] += float(e["dur"]) / 1e3
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {
+        name: {"calls": calls / len(launches), "ms": ms / len(launches)} for name, (calls, ms) in rows[:40]
+    }
+
+
+def main() -> None:
+    args = engine_args(__doc__)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = random_engine(args)
+    request = seed_request(seed_job())
+    engine.score(request)  # compile and warm every bucket the job uses
+    passes = pack(engine._scorer.plan(request).trees, engine.buckets)
+    first = {p.size: p for p in reversed(passes)}
+    times = [launch_times(engine, p, args.repeats) for p in sorted(first.values(), key=lambda p: p.size)]
+    events = host_events(engine, first[max(first)], args.repeats)
+    device = jax.devices()[0].device_kind
+    lines = [
+        f"Launching a pass, Gemma 3 12B shape, {args.precision}, random weights, {device}",
+        "",
+        "| bucket | reads | launch returns (ms) | outputs ready (ms) |",
+        "|---|---|---|---|",
+        *(f"| {t['size']} | {t['reads']} | {t['launch_ms']:.1f} | {t['total_ms']:.1f} |" for t in times),
+        "",
+        f"Host events inside a launch of the {max(first)}-row pass (per launch; nested events overlap):",
+        "",
+        "| event | calls | ms |",
+        "|---|---|---|",
+        *(
+            f"| `{name[:80]}` | {row['calls']:.0f} | {row['ms']:.2f} |"
+            for name, row in list(events.items())[:20]
+        ),
+    ]
+    results = {"device": device, "precision": args.precision, "launches": times,
+               "host_events": events}  # fmt: skip
+    (out / "launch_costs.json").write_text(json.dumps(results, indent=1))
+    (out / "launch_costs.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,11 @@
 """One thread owns the device. It gathers the trees of concurrent requests into shared passes: with the
 device idle, a request waits for company at most `max_delay` seconds, or until the pending trees fill the
-largest bucket; with a batch on the device, the next batch is what arrives until the device is done, and it
-is launched before the first batch's results are read. Responses are built on finisher threads, so this
-thread does nothing but launch passes and read their results. Scores do not depend on what shares a pass
+largest bucket; with a batch on the device, the next batch is what arrives until the device is done. Then
+the first batch's results are read and handed to finisher threads, which build the responses, and only then
+is the next batch launched: launching a pass holds this thread until the device has taken most of it (on the
+H200 at the Gemma 3 12B shape, 458 ms of a 528 ms pass: the host can only queue so much ahead), so answers
+read after a launch went out most of a pass late. This thread does nothing but read results and launch
+passes. Scores do not depend on what shares a pass
 (see packer), so batching never changes an answer.
 
 It also knows how long the queue will take (tokens waiting over the tokens per second it measured), which is
@@ -133,8 +136,9 @@ class Runner:
         return batch
 
     def _loop(self) -> None:
-        """Launch a batch, gather the next while it runs, launch that one as soon as the device is done, and
-        only then answer the first: the device waits for the host only while a batch is launched."""
+        """Launch a batch, gather the next while it runs, and once the device is done read the first's results
+        (its answers are built on finisher threads), then launch the next: the device waits for the host only
+        while results are read (a copy of the pass's outputs) and the next batch is packed."""
         on_device = None  # (batch, handle, start): launched, not yet answered
         while True:
             if on_device is None:
@@ -150,10 +154,9 @@ class Runner:
             with self._lock:
                 self._pending -= len(batch)
                 self._tokens_left -= sum(ticket.tokens for _, _, ticket in batch if ticket.cancelled())
-            launched = self._launch(live) if live else None
             if on_device is not None:
                 self._answer(*on_device)
-            on_device = launched
+            on_device = self._launch(live) if live else None
 
     def _launch(self, batch: list[tuple[Any, Finish, Ticket]]):
         start = time.perf_counter()

@@ -346,9 +346,11 @@ class Engine:
 
     def device_bytes_needed(self) -> int:
         """Device memory the largest passes need at their peak, by XLA's buffer assignment: the weights, and
-        IN_FLIGHT times a pass's inputs, temporaries and outputs (compiles every bucket not compiled yet)."""
+        IN_FLIGHT times a pass's inputs, temporaries and outputs (compiles every bucket not compiled yet),
+        and the f32 logits of one read chunk (_read_chunk runs one at a time; its other buffers are small)."""
         weights = nbytes(self.model.decoder)
-        return weights + IN_FLIGHT * max(
+        read_chunk = READ_CHUNK * self.model.config.vocab_size * 4
+        return weights + read_chunk + IN_FLIGHT * max(
             m.argument_size_in_bytes
             + m.temp_size_in_bytes
             + m.output_size_in_bytes

@@ -168,6 +168,15 @@ def random_engine(args, name: str = "gemma-3-12b-shape-random"):
     return Engine(Model(name, decoder, tok, digest="random-0"), Buckets(buckets))
 
 
+def warm_seed_engine(args):
+    """random_engine(args) and the seed job as one request, scored once: every bucket the job uses compiled
+    and warm, and its floors cached."""
+    engine = random_engine(args)
+    request = seed_request(seed_job())
+    engine.score(request)
+    return engine, request
+
+
 def serve_in_thread(app):
     """The app on uvicorn on a free port, in this process; returns (uvicorn server, httpx client) once
     /health says the model is ready."""

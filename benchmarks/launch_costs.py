@@ -12,7 +12,6 @@ spent its time enqueueing the program's thunks. Writes launch_costs.json and lau
 """
 
 import collections
-import gzip
 import json
 import re
 import statistics
@@ -21,7 +20,8 @@ import time
 from pathlib import Path
 
 import jax
-from common import engine_args, random_engine, seed_job, seed_request
+from common import engine_args, warm_seed_engine
+from pass_profile import trace_events
 
 from spinf_jax.packer import pack
 
@@ -47,15 +47,7 @@ def host_events(engine, p, repeats: int) -> dict:
             with jax.profiler.TraceAnnotation(f"launch-{i}"):
                 outputs = engine._launch_pass(p)
             jax.block_until_ready(outputs)
-    [trace] = sorted(folder.glob("plugins/profile/*/perfetto_trace.json.gz"))[-1:]
-    with gzip.open(trace) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    device = {
-        e["pid"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name" and "/device:" in e["args"].get("name", "")
-    }
+    events, device = trace_events(folder)
     spans = [e for e in events if e.get("ph") == "X" and e["pid"] not in device]
     launches = [
         (float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in spans if e["name"].startswith("launch-")
@@ -76,9 +68,7 @@ def main() -> None:
     args = engine_args(__doc__)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine = random_engine(args)
-    request = seed_request(seed_job())
-    engine.score(request)  # compile and warm every bucket the job uses
+    engine, request = warm_seed_engine(args)
     passes = pack(engine._scorer.plan(request).trees, engine.buckets)
     first = {p.size: p for p in reversed(passes)}
     times = [launch_times(engine, p, args.repeats) for p in sorted(first.values(), key=lambda p: p.size)]

@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import jax
-from common import engine_args, random_engine, seed_job, seed_request
+from common import engine_args, warm_seed_engine
 
 # Kernel name patterns, first match wins. cuBLAS(Lt) names its GEMMs sm90_xmma_gemm_*, nvjet_* or
 # cutlass_*; XLA names its own fusions after their root op (loop_/input_ fusions, reduce_, convert_).
@@ -37,8 +37,9 @@ def kernel_class(name: str) -> str:
     return next(label for label, pattern in CLASSES if pattern.search(name))
 
 
-def device_kernels(trace_dir: Path) -> list[tuple[str, float, float]]:
-    """(kernel name, start µs, duration µs) of every event on a GPU stream, newest trace in the folder."""
+def trace_events(trace_dir: Path) -> tuple[list[dict], set[int]]:
+    """The events of the newest perfetto trace that jax.profiler.trace wrote in the folder, and the ids of
+    its GPU processes."""
     [trace] = sorted(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"))[-1:]
     with gzip.open(trace) as f:
         data = json.load(f)
@@ -49,6 +50,12 @@ def device_kernels(trace_dir: Path) -> list[tuple[str, float, float]]:
         if e.get("ph") == "M" and e.get("name") == "process_name"
         and "/device:GPU" in e["args"].get("name", "")
     }  # fmt: skip
+    return events, gpu
+
+
+def device_kernels(trace_dir: Path) -> list[tuple[str, float, float]]:
+    """(kernel name, start µs, duration µs) of every event on a GPU stream, newest trace in the folder."""
+    events, gpu = trace_events(trace_dir)
     # The GPU process also has lines that repeat the kernels' time by XLA op and module: keep the streams.
     threads = {
         (e["pid"], e["tid"]): e["args"].get("name", "")
@@ -108,9 +115,7 @@ def main() -> None:
     args = engine_args(__doc__)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine = random_engine(args)
-    request = seed_request(seed_job())
-    engine.score(request)  # compile, warm, and cache the floors: the traced calls score contents only
+    engine, request = warm_seed_engine(args)  # the traced calls score contents only
     engine.score(request)
     trace_dir = Path(tempfile.mkdtemp())  # the raw trace is large: only the summary is kept
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):

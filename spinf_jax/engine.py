@@ -350,7 +350,7 @@ class Engine:
         and the f32 logits of one read chunk (_read_chunk runs one at a time; its other buffers are small)."""
         weights = nbytes(self.model.decoder)
         read_chunk = READ_CHUNK * self.model.config.vocab_size * 4
-        return weights + read_chunk + IN_FLIGHT * max(
+        largest_pass = max(
             m.argument_size_in_bytes
             + m.temp_size_in_bytes
             + m.output_size_in_bytes
@@ -358,6 +358,7 @@ class Engine:
             - weights
             for m in (self.program(size).memory_analysis() for size in self.buckets.sizes)
         )
+        return weights + read_chunk + IN_FLIGHT * largest_pass
 
     def _bucket(self, size: int) -> Buckets:
         return replace(self.buckets, sizes=tuple(s for s in self.buckets.sizes if s >= size))

@@ -1,6 +1,7 @@
 """What the benchmarks share: the seed job, the real model shapes, and a timer."""
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -151,7 +152,8 @@ def report(questions: int, tokens: int, seconds: float, peak_gib: float, params:
 
 def random_engine(args, name: str = "gemma-3-12b-shape-random"):
     """An Engine at Gemma 3 12B's shape with made-up weights, the real Gemma 3 tokenizer (args.tokenizer),
-    args.precision and args.buckets."""
+    args.precision and args.buckets (and args.row_tile where a script has it and it is set; else the
+    backend's, loader.default_row_tile)."""
     import tokenizers
 
     from spinf_jax.engine import Engine
@@ -165,7 +167,10 @@ def random_engine(args, name: str = "gemma-3-12b-shape-random"):
     load_weights(decoder, SyntheticCheckpoint(decoder, GEMMA3_12B))
     tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
     buckets = tuple(int(b) for b in args.buckets.split(","))
-    return Engine(Model(name, decoder, tok, digest="random-0"), Buckets(buckets))
+    model = Model(name, decoder, tok, digest="random-0")
+    if getattr(args, "row_tile", None):
+        model = dataclasses.replace(model, row_tile=args.row_tile)
+    return Engine(model, Buckets(buckets))
 
 
 def warm_seed_engine(args):

@@ -1,6 +1,7 @@
 """How long launching a pass holds the host, against the pass's whole time, and what the host does meanwhile.
 
     python3 benchmarks/launch_costs.py --tokenizer TOKENIZER_JSON --out $OUT [--buckets 4096,16384]
+        [--row-tile 2048]
 
 The engine is Gemma 3 12B's shape with made-up weights (common.random_engine); the passes are the seed job's.
 For the first pass of each bucket size: the time `Engine._launch_pass` takes to return (the program and its
@@ -8,7 +9,9 @@ read chunks dispatched; JAX returns before the device is done unless something i
 device) and the time until its outputs are ready, the median of --repeats. Then --repeats launches of the
 largest bucket's pass run under `jax.profiler.trace`, and the host events inside the launches are summed by
 name (digits folded to N): whether the host waited on the device (a predicate copied back, a synchronize) or
-spent its time enqueueing the program's thunks. Writes launch_costs.json and launch_costs.md.
+spent its time enqueueing the program's thunks. Also the seed job's time through `Engine.score` (median of
+--repeats), to compare settings such as --row-tile (each in its own process). Writes launch_costs.json and
+launch_costs.md.
 """
 
 import collections
@@ -65,7 +68,7 @@ def host_events(engine, p, repeats: int) -> dict:
 
 
 def main() -> None:
-    args = engine_args(__doc__)
+    args = engine_args(__doc__, lambda parser: parser.add_argument("--row-tile", type=int))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine, request = warm_seed_engine(args)
@@ -73,9 +76,16 @@ def main() -> None:
     first = {p.size: p for p in reversed(passes)}
     times = [launch_times(engine, p, args.repeats) for p in sorted(first.values(), key=lambda p: p.size)]
     events = host_events(engine, first[max(first)], args.repeats)
+    job = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        engine.score(request)
+        job.append(time.perf_counter() - start)
+    job_s = statistics.median(job)
     device = jax.devices()[0].device_kind
     lines = [
-        f"Launching a pass, Gemma 3 12B shape, {args.precision}, random weights, {device}",
+        f"Launching a pass, Gemma 3 12B shape, {args.precision}, random weights, {device}, "
+        f"row tile {engine.model.row_tile}; the seed job {job_s:.4f} s (Engine.score, median)",
         "",
         "| bucket | reads | launch returns (ms) | outputs ready (ms) |",
         "|---|---|---|---|",
@@ -90,8 +100,8 @@ def main() -> None:
             for name, row in list(events.items())[:20]
         ),
     ]
-    results = {"device": device, "precision": args.precision, "launches": times,
-               "host_events": events}  # fmt: skip
+    results = {"device": device, "precision": args.precision, "row_tile": engine.model.row_tile,
+               "seed_job_s": job_s, "launches": times, "host_events": events}  # fmt: skip
     (out / "launch_costs.json").write_text(json.dumps(results, indent=1))
     (out / "launch_costs.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

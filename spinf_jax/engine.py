@@ -86,16 +86,17 @@ def use_compilation_cache(path) -> None:
 
 
 def _targets(decoder, hidden, read_rows, target_read, target_token, row_tile):
-    """The final hidden state at every read row [max_reads, D], and every target's logit [max_targets] (a
-    row-wise dot with its read's hidden state: the target's log-prob less its read's normaliser, which
-    _read_chunk computes)."""
+    """Every target's logit [max_targets] (a row-wise dot with its read's hidden state; its log-prob once its
+    read's normaliser, which _read_chunk computes, is subtracted), and the final hidden state at every read
+    row [max_reads, D]."""
     hidden = hidden[read_rows]
     return by_rows(decoder.token_logits, row_tile, hidden[target_read], target_token), hidden
 
 
 @partial(jax.jit, static_argnames=("graphdef", "row_tile"))
 def _score_pass(weights, batch: TreeBatch, reads, *, graphdef, row_tile):
-    """One pass: its targets' logits and its reads' hidden states (_targets; reads: Engine._reads)."""
+    """One pass: its targets' logits and its reads' hidden states (_targets; reads: the pass's read rows and
+    its targets' reads and tokens, Engine._pass_args)."""
     decoder = nnx.merge(graphdef, weights)
     return _targets(decoder, decoder(batch, row_tile), *reads, row_tile)
 

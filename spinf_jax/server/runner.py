@@ -5,8 +5,7 @@ the first batch's results are read and handed to finisher threads, which build t
 is the next batch launched: launching a pass holds this thread until the device has taken most of it (on the
 H200 at the Gemma 3 12B shape, 458 ms of a 528 ms pass: the host can only queue so much ahead), so answers
 read after a launch went out most of a pass late. This thread does nothing but read results and launch
-passes. Scores do not depend on what shares a pass
-(see packer), so batching never changes an answer.
+passes. Scores do not depend on what shares a pass (see packer), so batching never changes an answer.
 
 It also knows how long the queue will take (tokens waiting over the tokens per second it measured), which is
 what a full queue tells clients to wait (Retry-After), and it drops the requests whose clients left. Each

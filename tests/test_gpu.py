@@ -61,8 +61,12 @@ def test_scores_bit_identical_across_packing_buckets_and_companions(family, prec
     alone = engine.score_trees([target])[0]
     packed = engine.score_trees([*others, target])[-1].logprobs
     bigger = Engine(model, Buckets((4096,))).score_trees([target])[0].logprobs
+    # The GPUs' 64-row block (packer.default_block) gives the bits of 128-row blocks: the kernel counts its
+    # key tiles from the tree's first row, not from the block.
+    in_128 = Engine(model, Buckets((4096,), block=128)).score_trees([*others[:3], target])[-1].logprobs
     np.testing.assert_array_equal(packed, alone.logprobs)
     np.testing.assert_array_equal(bigger, alone.logprobs)
+    np.testing.assert_array_equal(in_128, alone.logprobs)
     for seed in range(4):  # a random subset of the questions, in a random order, with other trees around
         order = np.random.default_rng(seed).permutation(len(POOL))[: 2 + seed * 3]
         subset = build_tree([2], content, [POOL[i] for i in order])

@@ -149,6 +149,22 @@ def test_rows_bit_identical_whatever_the_companions(impl):
     assert len(seen) > 50
 
 
+def test_kernel_rows_do_not_depend_on_the_block():
+    """The kernel counts key tiles from each tree's first row, so trees aligned to blocks of one tile (the
+    GPUs' default block, packer.default_block) give every row the bits it gets in blocks of two tiles."""
+    at = {}
+    for block, total_blocks in ((8, 20), (4, 40)):
+        for trees, questions in _companion_layouts():
+            rows, _, _ = _attend(
+                partial(kernel, tile=4, interpret=True), trees, questions, block, total_blocks, 5
+            )
+            for name, row in rows.items():
+                np.testing.assert_array_equal(
+                    row, at.setdefault(name, row), err_msg=f"{name} at block {block}"
+                )
+    assert len(at) > 50
+
+
 @pytest.mark.parametrize(("block", "tile", "head_dim"), [(16, 16, 32), (32, 16, 32), (64, None, 512)])
 def test_pallas_kernel_matches_reference_in_interpret_mode(block, tile, head_dim):
     """The GPU kernel, run by Pallas' interpreter on the CPU, against the pure-JAX definition (head_dim 512

@@ -3,6 +3,7 @@
 The CPU versions of the same properties are tested elsewhere: the kernel in interpret mode
 (test_tree_attention), invariance of the CPU path (test_layout, test_engine)."""
 
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -10,12 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import tree_attention_mosaic
 from pallas_kernels.tree_attention import kernel, reference
 from spinf_jax.engine import Engine
 from spinf_jax.layout import build_tree
 from spinf_jax.loader import load_model
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision, linear, quantize
+from tests.test_tree_attention import same_rows_in_every_layout
 from tests.trees import POOL, lay_out
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
@@ -28,10 +31,16 @@ def test_fp8_weights_use_cublaslt_fp8_gemm():
     assert "__cublas$lt$matmul$f8" in jax.jit(linear).lower(x, w).compile().as_text()
 
 
+KERNELS = {"triton": kernel, "mosaic": tree_attention_mosaic.kernel}
+
+
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize(("head_dim", "window"), [(512, None), (256, None), (256, 100), (128, None)])
-def test_kernel_matches_reference(head_dim, window):
+def test_kernel_matches_reference(impl, head_dim, window):
     # A 600-token chain, then a tree of a 300-token trunk and every question of the pool (tries, a long and
     # an empty template), at the engine's block size.
+    if impl == "mosaic" and not tree_attention_mosaic.supports(jnp.bfloat16, head_dim):
+        pytest.skip(f"the Mosaic kernel does not take head_dim {head_dim}")
     chain = build_tree([2], list(range(5, 605)), [])
     branched = build_tree([2], list(range(5, 305)), POOL)
     (positions, span_end, trunk_end, branch_start, start), _ = lay_out([chain, branched], 128, 10)
@@ -41,9 +50,17 @@ def test_kernel_matches_reference(head_dim, window):
     k = jax.random.normal(keys[1], (t, 2, head_dim), jnp.bfloat16)
     v = jax.random.normal(keys[2], (t, 2, head_dim), jnp.bfloat16)
     args = (q, k, v, positions, span_end)
-    got = kernel(*args, trunk_end, branch_start, start, scale=head_dim**-0.5, window=window, block=128)
+    attend = KERNELS[impl]
+    got = attend(*args, trunk_end, branch_start, start, scale=head_dim**-0.5, window=window, block=128)
     want = reference(*args, scale=head_dim**-0.5, window=window)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.02)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_mosaic_kernel_rows_bit_identical_whatever_the_companions(slots):
+    """On the GPU at Gemma 3's head size: every companion layout, at 64- and 128-row blocks."""
+    attend = partial(tree_attention_mosaic.kernel, slots=slots)
+    same_rows_in_every_layout(attend, blocks=(64, 128), rows=256, tol=2e-2, d=256, dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3", "gemma4-e2b"])

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import tree_attention_mosaic
 from pallas_kernels.late_map import late_map
 from pallas_kernels.tree_attention import blockwise, kernel, reference, tree_mask
 from spinf_jax.layout import QuestionKey, Tree, build_tree
@@ -102,15 +103,15 @@ def _inputs(names: list, t: int, h=4, k=2, d=16, dtype=jnp.float32):
     return tuple(jnp.asarray(x, dtype) for x in (q, kk, v))
 
 
-def _attend(impl, trees, questions, block, total_blocks, window, **kwargs):
+def _attend(impl, trees, questions, block, total_blocks, window, **inputs):
     """Lay trees out, run an implementation, and return every tree's rows keyed by their names."""
     arrays, offsets = lay_out(trees, block, total_blocks)
     names = [None] * (total_blocks * block)
     for tree, qs, off in zip(trees, questions, offsets, strict=True):
         names[off : off + len(tree)] = _rows_of(tree, qs)
-    q, k, v = _inputs(names, total_blocks * block)
-    out = np.asarray(impl(q, k, v, *arrays, scale=0.25, window=window, block=block, **kwargs))
-    want = np.asarray(reference(q, k, v, *arrays[:2], scale=0.25, window=window))
+    q, k, v = _inputs(names, total_blocks * block, **inputs)
+    out = np.asarray(impl(q, k, v, *arrays, scale=0.25, window=window, block=block), np.float32)
+    want = np.asarray(reference(q, k, v, *arrays[:2], scale=0.25, window=window), np.float32)
     return {name: row for name, row in zip(names, out, strict=True) if name}, out, want
 
 
@@ -132,15 +133,16 @@ def _companion_layouts():
             yield [build_tree([2], c, qs) for c, qs in layout], [qs for _, qs in layout]
 
 
-def _same_rows_in_every_layout(impl, blocks: tuple[int, ...]) -> None:
-    """Every companion layout (_companion_layouts), laid out at each block size in turn: each output within
-    rounding of the reference, and each named row the same bits wherever and however it was asked."""
+def same_rows_in_every_layout(impl, blocks: tuple[int, ...], rows=160, tol=1e-5, **inputs) -> None:
+    """Every companion layout (_companion_layouts), laid out at each block size in turn in a pass of `rows`:
+    each output within `tol` of the reference, and each named row the same bits wherever and however it was
+    asked. `inputs`: _inputs' sizes and dtype."""
     seen: dict = {}
     for block in blocks:
         for trees, questions in _companion_layouts():
-            rows, got, want = _attend(impl, trees, questions, block, 160 // block, window=5)
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-            for name, row in rows.items():
+            rows_of, got, want = _attend(impl, trees, questions, block, rows // block, window=5, **inputs)
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+            for name, row in rows_of.items():
                 np.testing.assert_array_equal(
                     row, seen.setdefault(name, row), err_msg=f"{name}, block {block}"
                 )
@@ -155,13 +157,13 @@ def _same_rows_in_every_layout(impl, blocks: tuple[int, ...]) -> None:
 def test_rows_bit_identical_whatever_the_companions(impl):
     """A row's output depends on its content and its own question only: not on the other questions of its
     content, their order, duplicates, where its tree sits, or what is packed before it."""
-    _same_rows_in_every_layout(impl, blocks=(8,))
+    same_rows_in_every_layout(impl, blocks=(8,))
 
 
 def test_kernel_rows_do_not_depend_on_the_block():
     """The kernel counts key tiles from each tree's first row, so trees aligned to blocks of one tile (the
     GPUs' default block, packer.default_block) give every row the bits it gets in blocks of two tiles."""
-    _same_rows_in_every_layout(partial(kernel, tile=4, interpret=True), blocks=(8, 4))
+    same_rows_in_every_layout(partial(kernel, tile=4, interpret=True), blocks=(8, 4))
 
 
 @pytest.mark.parametrize(("block", "tile", "head_dim"), [(16, 16, 32), (32, 16, 32), (64, None, 512)])
@@ -177,6 +179,34 @@ def test_pallas_kernel_matches_reference_in_interpret_mode(block, tile, head_dim
         expected = reference(q, k, v, *arrays[:2], scale=0.2, window=window)
         got = kernel(q, k, v, *arrays, scale=0.2, window=window, block=block, tile=tile, interpret=True)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_mosaic_kernel_matches_reference_in_interpret_mode(window):
+    """The Mosaic GPU kernel, run by its interpreter on the CPU, against the pure-JAX definition: a chain,
+    then a tree with branches ending at the pass's end (its last branch blocks are read past it)."""
+    chain = build_tree([2], list(range(30, 100)), [])
+    branched = build_tree([2], list(range(50, 87)), BRANCHES)  # 60 rows: the last branch starts at row 186
+    arrays, _ = lay_out([chain, branched], 64, 3)
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(192, h=4, k=2, d=64, seed=1))
+    expected = reference(q, k, v, *arrays[:2], scale=0.125, window=window)
+    got = tree_attention_mosaic.kernel(q, k, v, *arrays, scale=0.125, window=window, block=64, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), atol=2e-2)
+
+
+@pytest.mark.slow  # 18 s in the interpreter; only a change to the Mosaic kernel can break it
+def test_mosaic_kernel_rows_bit_identical_whatever_the_companions():
+    """The Mosaic kernel's rows, as the Triton kernel's: the same bits in every companion layout, at blocks of
+    one 64-row tile (one trunk tile in flight) and of two (two in flight: the copies' timing is no part of
+    the arithmetic)."""
+
+    def attend(*args, block, **kwargs):
+        slots = 1 if block == tree_attention_mosaic.TILE else 2
+        return tree_attention_mosaic.kernel(*args, block=block, slots=slots, interpret=True, **kwargs)
+
+    same_rows_in_every_layout(
+        attend, blocks=(64, 128), rows=256, tol=2e-2, h=2, k=1, d=64, dtype=jnp.bfloat16
+    )
 
 
 def test_late_map_is_lax_map():

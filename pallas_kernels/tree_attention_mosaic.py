@@ -1,0 +1,289 @@
+"""Tree attention as a Mosaic GPU kernel (Hopper: TMA copies into shared memory, wgmma on the tensor cores).
+
+The algorithm is tree_attention.blockwise's, as in the Triton kernel (tree_attention.kernel): a row reads the
+trunk of its tree in key tiles counted from the tree's first row, then its own branch in BRANCH_BLOCK-key
+blocks counted from the branch's first row, with one online softmax over both. The keys each reduction adds
+up, and the offsets they sit at, are then the same whatever else is in the pass.
+
+A program per (64-row query tile, head), one warpgroup. wgmma multiplies 64 rows at a time, so the query tile
+and the trunk's key tile are 64 rows at every head size. The tile's plan (its tree's first key tile, its
+trunk's last, the branches with rows in it) and the rows' tree fields travel through shared memory with the
+keys; a key block that runs past the pass's end is filled with zeros by the copy (span 0: invisible).
+bf16 and f16 only: wgmma has no f32 (its TF32 would not be f32 attention), which stays on the Triton kernel.
+
+Measured on the H200 (benchmarks/gpu_attention.py, the seed job's 16,384-row pass at Gemma 3 12B's attention
+shape): 63.2 ms a pass against the Triton kernel's 59.8 (one trunk tile in flight; two took 78.2), so the
+engine keeps the Triton kernel. The branch blocks are the costly part: each is copied, moved through
+registers into wgmma's layout and multiplied before the next is asked for.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.tree_attention import BRANCH_BLOCK, branch_lists, trunk_last_block
+
+TILE = 64  # query rows per program and keys per trunk step: wgmma's M
+# The tile's plan, one int32 row per tile: its tree's first key tile, its trunk's last, how many branches,
+# five zeros (a copy moves whole 16-byte units), then the branches' first rows and their last rows in the
+# tile.
+PLAN_HEAD = 8
+# The rows' tree fields, copied per key block beside the keys: [4, T] for tiles, [T, 4] for branch blocks.
+POS, END, TRUNK_END, BRANCH = range(4)
+# A branch block starts at any row, and a copy into tiled shared memory only at a multiple of 8 rows: the
+# block is copied untiled, then moved through registers into the tiled layouts wgmma reads. Its values are
+# P·V's contraction side, whose length (BRANCH_BLOCK keys) wgmma takes in multiples of the swizzle's width:
+# 32 bytes.
+BRANCH_SWIZZLE = 32
+ROW = plgpu.Layout.WGMMA.reduce(1)  # a value per query row of a [TILE, keys] wgmma result
+COL = plgpu.Layout.WGMMA.reduce(0)  # a value per key
+
+
+def plan(tree_start_block: jax.Array, trunk_end: jax.Array, branch_start: jax.Array, block: int) -> jax.Array:
+    """[T // TILE, PLAN_HEAD + 2 * TILE] int32: what each query tile reads (see PLAN_HEAD)."""
+    per_block = block // TILE
+    n = trunk_end.shape[0] // TILE
+    start = jnp.repeat(tree_start_block * per_block, per_block)
+    first, last, count = branch_lists(branch_start, TILE)
+    head = jnp.stack([start, trunk_last_block(trunk_end, TILE), count], axis=1)
+    return jnp.concatenate([head, jnp.zeros((n, PLAN_HEAD - 3), jnp.int32), first, last], axis=1)
+
+
+def _online_softmax_step(state, s, values, p_s):
+    """tree_attention's online-softmax step in wgmma's layouts: s [TILE, keys] f32 masked scores, values a
+    [keys, D] shared-memory ref, p_s [TILE, keys] shared memory for P; P·V on the tensor cores. A row whose
+    scores are all -inf keeps its state exactly (alpha = 1, adds 0)."""
+    m, denom, acc = state
+    m_new = jnp.maximum(m, s.max(axis=1))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+    alpha = jnp.exp(m - shift)
+    denom = denom * alpha + p.sum(axis=1)
+
+    # P goes to the tensor cores through shared memory (the interpreter's wgmma reads operands only there).
+    p_s[...] = p.astype(p_s.dtype)
+    plgpu.commit_smem()
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_s, values)
+        return acc_ref[...]
+
+    pv = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+    return m_new, denom, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+
+
+def _kernel(
+    plan_ref,  # [n, PLAN_HEAD + 2 * TILE]
+    rows_ref,  # [4, T]: positions, span_end, trunk_end, branch_start
+    fields_ref,  # [T, 4]: the same, a row's four together (for branch blocks, which start at any row)
+    q_ref,  # [T, H, D]
+    k_ref,  # [T, K, D]
+    v_ref,  # [T, K, D]
+    o_ref,  # [T, H, D]
+    plan_s,
+    q_rows_s,  # [4, TILE]
+    q_s,  # [TILE, D]; the output on the way out
+    k_s,  # [slots, TILE, D]
+    v_s,
+    k_rows_s,  # [slots, 4, TILE]
+    bk_s,  # [BRANCH_BLOCK, D]
+    bv_s,
+    p_s,  # [TILE, TILE]: a trunk step's probabilities
+    bp_s,  # [TILE, BRANCH_BLOCK]: a branch step's
+    staged_s,  # [2, BRANCH_BLOCK, D] untiled: a branch block's keys and values as copied (see BRANCH_SWIZZLE)
+    b_rows_s,  # [BRANCH_BLOCK, 4]
+    bar_q,  # 3: plan, q rows, q
+    bar_k,  # slots each
+    bar_v,
+    bar_rows,
+    bar_b,  # 3: branch keys, values, rows
+    *,
+    groups,
+    slots,
+    scale,
+    window,
+):
+    i = lax.axis_index("tile")
+    head = lax.axis_index("head")
+    kv = lax.div(head, jnp.array(groups, head.dtype))
+    rows = pl.ds(i * TILE, TILE)
+    plgpu.copy_gmem_to_smem(plan_ref.at[i], plan_s, bar_q.at[0])
+    plgpu.copy_gmem_to_smem(rows_ref.at[:, rows], q_rows_s, bar_q.at[1])
+    plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_s, bar_q.at[2])
+    for b in range(3):
+        plgpu.barrier_wait(bar_q.at[b])
+
+    def q_field(f, shape):  # a query-row field broadcast over [TILE, keys]
+        return lax.broadcast_in_dim(plgpu.load(q_rows_s.at[f], layout=ROW), shape, [0])
+
+    iota = partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
+
+    def masked_scores(keys, k_field, first_key, own):
+        """[TILE, keys] f32: q·k scaled, -inf where the tree mask or `own` (the part's test) hides the key.
+        k_field(f): the keys' field f, [TILE, keys]."""
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_s, keys.T)
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((TILE, keys.shape[0]), jnp.float32)) * scale
+        q_idx = i * TILE + iota(s.shape, 0)
+        k_idx = first_key + iota(s.shape, 1)
+        ok = (k_idx <= q_idx) & (q_idx < k_field(END)) & own(k_idx)
+        if window is not None:
+            ok &= q_field(POS, s.shape) - k_field(POS) < window
+        return jnp.where(ok, s, -jnp.inf)
+
+    def tile_field(key_rows):  # a trunk tile's fields, [4, TILE] in shared memory
+        return lambda f: lax.broadcast_in_dim(plgpu.load(key_rows.at[f], layout=COL), (TILE, TILE), [1])
+
+    def block_field(f):
+        """A branch block's field f from b_rows_s [BRANCH_BLOCK, 4], one key at a time: its row is at any
+        offset, and reading a vector there (for the copy or the load) is misaligned on the H200."""
+        out = jnp.zeros((TILE, BRANCH_BLOCK), jnp.int32)
+        column = iota(out.shape, 1)
+        for c in range(BRANCH_BLOCK):
+            out = jnp.where(column == c, b_rows_s[c, f], out)
+        return out
+
+    def load_trunk(kb, slot):
+        keys = pl.ds(kb * TILE, TILE)
+        plgpu.copy_gmem_to_smem(k_ref.at[keys, kv], k_s.at[slot], bar_k.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys, kv], v_s.at[slot], bar_v.at[slot])
+        plgpu.copy_gmem_to_smem(rows_ref.at[:, keys], k_rows_s.at[slot], bar_rows.at[slot])
+
+    start, last = plan_s[0], plan_s[1]
+
+    def trunk_step(kb, state):
+        slot = lax.rem(kb - start, jnp.array(slots, kb.dtype))
+        following = lax.rem(kb + 1 - start, jnp.array(slots, kb.dtype))
+        if slots > 1:  # the next tile's copy runs under this tile's arithmetic
+
+            @pl.when(kb < last)
+            def _():
+                load_trunk(kb + 1, following)
+
+        plgpu.barrier_wait(bar_k.at[slot])
+        plgpu.barrier_wait(bar_rows.at[slot])
+        trunk_end = q_field(TRUNK_END, (TILE, TILE))
+        s = masked_scores(
+            k_s.at[slot], tile_field(k_rows_s.at[slot]), kb * TILE, lambda k_idx: k_idx < trunk_end
+        )
+        plgpu.barrier_wait(bar_v.at[slot])
+        state = _online_softmax_step(state, s, v_s.at[slot], p_s)
+        if slots == 1:  # the slot is free again only now
+
+            @pl.when(kb < last)
+            def _():
+                load_trunk(kb + 1, following)
+
+        return state
+
+    d = q_s.shape[-1]
+
+    def branch(j, state):
+        first = plan_s[PLAN_HEAD + j]
+        own_rows = q_field(BRANCH, (TILE, BRANCH_BLOCK)) == first
+
+        def step(r, state):
+            keys = pl.ds(first + r * BRANCH_BLOCK, BRANCH_BLOCK)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys, kv], staged_s.at[0], bar_b.at[0])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys, kv], staged_s.at[1], bar_b.at[1])
+            plgpu.copy_gmem_to_smem(fields_ref.at[keys], b_rows_s, bar_b.at[2])
+            for b, (dst, swizzle) in enumerate(((bk_s, 128), (bv_s, BRANCH_SWIZZLE))):
+                plgpu.barrier_wait(bar_b.at[b])
+                layout = plgpu.Layout.SMEM_GMEM_COPY((BRANCH_BLOCK, d), dst.dtype, swizzle)
+                dst[...] = plgpu.load(staged_s.at[b], layout=layout, optimized=False)
+            plgpu.commit_smem()  # the tensor cores read what the threads wrote
+            plgpu.barrier_wait(bar_b.at[2])
+            s = masked_scores(bk_s, block_field, first + r * BRANCH_BLOCK, lambda k_idx: own_rows)
+            return _online_softmax_step(state, s, bv_s, bp_s)
+
+        return lax.fori_loop(0, (plan_s[PLAN_HEAD + TILE + j] - first) // BRANCH_BLOCK + 1, step, state)
+
+    state = (
+        plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), ROW),
+        plgpu.layout_cast(jnp.full((TILE,), 0.0, jnp.float32), ROW),
+        plgpu.layout_cast(jnp.full((TILE, d), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+    )
+
+    @pl.when(start <= last)
+    def _():
+        load_trunk(start, 0)
+
+    state = lax.fori_loop(start, last + 1, trunk_step, state)
+    _, denom, acc = lax.fori_loop(0, plan_s[2], branch, state)
+    denom = jnp.where(denom == 0, 1.0, denom)
+    q_s[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(q_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, o_ref.at[rows, head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def supports(dtype, head_dim: int) -> bool:
+    """Shapes this kernel runs: 16-bit floats, head_dim a multiple of 64 up to 256 (the f32 accumulator of a
+    64-row tile at head_dim 512 would not fit one warpgroup's registers)."""
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return sixteen_bit and head_dim in (64, 128, 192, 256)
+
+
+@partial(jax.jit, static_argnames=("scale", "window", "block", "slots", "interpret"))
+def kernel(
+    q: jax.Array,  # [T, H, D]
+    k: jax.Array,  # [T, K, D]
+    v: jax.Array,  # [T, K, D]
+    positions: jax.Array,  # [T]
+    span_end: jax.Array,  # [T]
+    trunk_end: jax.Array,  # [T]
+    branch_start: jax.Array,  # [T]
+    tree_start_block: jax.Array,  # [T // block]
+    *,
+    scale: float,
+    window: int | None = None,
+    block: int,
+    slots: int = 2,
+    interpret: bool = False,
+) -> jax.Array:  # [T, H, D]
+    """tree_attention.blockwise on Hopper's tensor cores (module docstring). `block` is a multiple of TILE;
+    `slots` trunk tiles are in flight at once (2: the next tile's copy overlaps this one's arithmetic)."""
+    t, h, d = q.shape
+    if not supports(q.dtype, d) or block % TILE or t % TILE:
+        raise ValueError(f"Mosaic tree attention: {q.dtype} head_dim {d}, block {block}, {t} rows")
+    tiles = plan(tree_start_block, trunk_end, branch_start, block)
+    rows = jnp.stack([positions, span_end, trunk_end, branch_start]).astype(jnp.int32)
+
+    def operand(*shape, swizzle=128):
+        tiling = plgpu.TilingTransform((8, swizzle // q.dtype.itemsize))
+        return plgpu.SMEM(shape, q.dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
+
+    return plgpu.kernel(
+        partial(_kernel, groups=h // k.shape[1], slots=slots, scale=scale, window=window),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(t // TILE, h),
+        grid_names=("tile", "head"),
+        scratch_types=[
+            plgpu.SMEM(tiles.shape[1:], jnp.int32),
+            plgpu.SMEM((4, TILE), jnp.int32),
+            operand(TILE, d),
+            operand(slots, TILE, d),
+            operand(slots, TILE, d),
+            plgpu.SMEM((slots, 4, TILE), jnp.int32),
+            operand(BRANCH_BLOCK, d),
+            operand(BRANCH_BLOCK, d, swizzle=BRANCH_SWIZZLE),
+            operand(TILE, TILE),
+            operand(TILE, BRANCH_BLOCK, swizzle=BRANCH_SWIZZLE),
+            plgpu.SMEM((2, BRANCH_BLOCK, d), q.dtype),
+            plgpu.SMEM((BRANCH_BLOCK, 4), jnp.int32),
+            plgpu.Barrier(num_barriers=3),
+            plgpu.Barrier(num_barriers=slots),
+            plgpu.Barrier(num_barriers=slots),
+            plgpu.Barrier(num_barriers=slots),
+            plgpu.Barrier(num_barriers=3),
+        ],
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="tree_attention_mosaic",
+    )(tiles, rows, rows.T, q, k, v)

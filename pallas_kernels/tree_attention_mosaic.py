@@ -245,11 +245,12 @@ def kernel(
     scale: float,
     window: int | None = None,
     block: int,
-    slots: int = 2,
+    slots: int = 1,
     interpret: bool = False,
 ) -> jax.Array:  # [T, H, D]
     """tree_attention.blockwise on Hopper's tensor cores (module docstring). `block` is a multiple of TILE;
-    `slots` trunk tiles are in flight at once (2: the next tile's copy overlaps this one's arithmetic)."""
+    `slots` trunk tiles are in flight at once (2: the next tile's copy overlaps this one's arithmetic; 1
+    measured faster on the H200, see the module docstring)."""
     t, h, d = q.shape
     if not supports(q.dtype, d) or block % TILE or t % TILE:
         raise ValueError(f"Mosaic tree attention: {q.dtype} head_dim {d}, block {block}, {t} rows")

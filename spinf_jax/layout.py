@@ -14,6 +14,7 @@ log P(o_{j+1}) at the trie node of o_1..o_j. The trie holds each option's tokens
 between options with a common prefix (" New York" and " New Jersey" share " New").
 """
 
+import functools
 from dataclasses import dataclass, field
 
 SEARCH_WIDTH = 8  # hypotheses a searched slot keeps per step (so at most 8 answers)
@@ -146,7 +147,23 @@ def read_tree(token_ids: list[int], reads: dict[int, list[int]]) -> Tree:
 
 def _add_option_trie(tree: Tree, option_ids, slot_row: int, depth: int) -> None:
     """Lay out the trie of option prefixes depth-first below slot_row and record every option's reads."""
-    nodes: dict[tuple[int, ...], int] = {(): slot_row}  # option prefix → its row
+    tokens, depths, spans, reads = _trie(tuple(option_ids))
+    first = len(tree.tokens)
+    tree.tokens += tokens
+    tree.positions += [depth + d for d in depths]
+    tree.span_end += [first + end for end in spans]
+    tree.branch_start += range(first + 1, first + len(tokens) + 1)
+    row = lambda node: slot_row if node < 0 else first + node  # noqa: E731 - node -1 is the slot itself
+    tree.options.append([[tree._read(row(node), token) for node, token in option] for option in reads])
+
+
+@functools.lru_cache(maxsize=4096)
+def _trie(option_ids: tuple[tuple[int, ...], ...]) -> tuple:
+    """A question's option trie, the same below any slot (a pack or a job asks the same questions of every
+    content, so its shape is worked out once): each node's token and depth below the slot's children, in
+    depth-first order; the end of each node's subtree (the index after its last descendant); and each
+    option's reads as (the node read after, -1 for the slot; the token wanted)."""
+    nodes: dict[tuple[int, ...], int] = {(): -1}  # option prefix → its node
     order: list[tuple[int, ...]] = []
     for ids in option_ids:
         for j in range(1, len(ids)):
@@ -156,14 +173,13 @@ def _add_option_trie(tree: Tree, option_ids, slot_row: int, depth: int) -> None:
     # Depth-first: sort prefixes so each is followed by its extensions (ties keep first appearance).
     first_seen = {p: i for i, p in enumerate(order)}
     order.sort(key=lambda p: tuple(first_seen[p[:k]] for k in range(1, len(p) + 1)))
-    rows_by_prefix = {}
-    for prefix in order:
-        rows_by_prefix[prefix] = tree._push(prefix[-1:], depth + len(prefix) - 1)
-        nodes[prefix] = rows_by_prefix[prefix]
+    nodes.update((prefix, i) for i, prefix in enumerate(order))
     # Spans: a node's subtree is every later node that extends it (contiguous thanks to the order).
+    spans = []
     for i, prefix in enumerate(order):
         end = i + 1
         while end < len(order) and order[end][: len(prefix)] == prefix:
             end += 1
-        tree.span_end[rows_by_prefix[prefix]] = rows_by_prefix[order[end - 1]] + 1
-    tree.options.append([[tree._read(nodes[ids[:j]], ids[j]) for j in range(len(ids))] for ids in option_ids])
+        spans.append(end)
+    reads = [[(nodes[ids[:j]], ids[j]) for j in range(len(ids))] for ids in option_ids]
+    return [p[-1] for p in order], [len(p) - 1 for p in order], spans, reads

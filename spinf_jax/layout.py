@@ -158,11 +158,12 @@ def _add_option_trie(tree: Tree, option_ids, slot_row: int, depth: int) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _trie(option_ids: tuple[tuple[int, ...], ...]) -> tuple:
+def _trie(option_ids: tuple[tuple[int, ...], ...]) -> tuple[tuple, tuple, tuple, tuple]:
     """A question's option trie, the same below any slot (a pack or a job asks the same questions of every
     content, so its shape is worked out once): each node's token and depth below the slot's children, in
     depth-first order; the end of each node's subtree (the index after its last descendant); and each
-    option's reads as (the node read after, -1 for the slot; the token wanted)."""
+    option's reads as (the node read after, -1 for the slot; the token wanted). Tuples: every tree shares
+    them."""
     nodes: dict[tuple[int, ...], int] = {(): -1}  # option prefix → its node
     order: list[tuple[int, ...]] = []
     for ids in option_ids:
@@ -181,5 +182,5 @@ def _trie(option_ids: tuple[tuple[int, ...], ...]) -> tuple:
         while end < len(order) and order[end][: len(prefix)] == prefix:
             end += 1
         spans.append(end)
-    reads = [[(nodes[ids[:j]], ids[j]) for j in range(len(ids))] for ids in option_ids]
-    return [p[-1] for p in order], [len(p) - 1 for p in order], spans, reads
+    reads = tuple(tuple((nodes[ids[:j]], ids[j]) for j in range(len(ids))) for ids in option_ids)
+    return tuple(p[-1] for p in order), tuple(len(p) - 1 for p in order), tuple(spans), reads

@@ -10,11 +10,12 @@ device) and the time until its outputs are ready, the median of --repeats. Then 
 largest bucket's pass run under `jax.profiler.trace`, and the host events inside the launches are summed by
 name (digits folded to N): whether the host waited on the device (a predicate copied back, a synchronize) or
 spent its time enqueueing the program's thunks. Also the seed job's time through `Engine.score` (median of
---repeats), to compare settings such as --row-tile (each in its own process). Writes launch_costs.json and
-launch_costs.md.
+--repeats) and a sha256 of its passes' target log-probs and top tokens, to compare settings such as --row-tile
+or XLA flags (each in its own process): same digest, same bits. Writes launch_costs.json and launch_costs.md.
 """
 
 import collections
+import hashlib
 import json
 import re
 import statistics
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from common import engine_args, warm_seed_engine
 from pass_profile import trace_events
 
@@ -40,6 +42,14 @@ def launch_times(engine, p, repeats: int) -> dict:
         total.append(time.perf_counter() - start)
     return {"size": p.size, "reads": p.reads, "launch_ms": 1e3 * statistics.median(launch),
             "total_ms": 1e3 * statistics.median(total)}  # fmt: skip
+
+
+def bits_digest(engine, trees) -> str:
+    """sha256 over every tree's target log-probs and top tokens, in order."""
+    h = hashlib.sha256()
+    for scored in engine.score_trees(trees):
+        h.update(np.asarray(scored.logprobs).tobytes() + np.asarray(scored.top_tokens).tobytes())
+    return h.hexdigest()
 
 
 def host_events(engine, p, repeats: int) -> dict:
@@ -72,7 +82,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine, request = warm_seed_engine(args)
-    passes = pack(engine._scorer.plan(request).trees, engine.buckets)
+    trees = engine._scorer.plan(request).trees
+    passes = pack(trees, engine.buckets)
     first = {p.size: p for p in reversed(passes)}
     times = [launch_times(engine, p, args.repeats) for p in sorted(first.values(), key=lambda p: p.size)]
     events = host_events(engine, first[max(first)], args.repeats)
@@ -82,10 +93,12 @@ def main() -> None:
         engine.score(request)
         job.append(time.perf_counter() - start)
     job_s = statistics.median(job)
+    digest = bits_digest(engine, trees)
     device = jax.devices()[0].device_kind
     lines = [
         f"Launching a pass, Gemma 3 12B shape, {args.precision}, random weights, {device}, "
-        f"row tile {engine.model.row_tile}; the seed job {job_s:.4f} s (Engine.score, median)",
+        f"row tile {engine.model.row_tile}; the seed job {job_s:.4f} s (Engine.score, median), its bits "
+        f"sha256 {digest[:16]}",
         "",
         "| bucket | reads | launch returns (ms) | outputs ready (ms) |",
         "|---|---|---|---|",
@@ -101,7 +114,8 @@ def main() -> None:
         ),
     ]
     results = {"device": device, "precision": args.precision, "row_tile": engine.model.row_tile,
-               "seed_job_s": job_s, "launches": times, "host_events": events}  # fmt: skip
+               "seed_job_s": job_s, "seed_job_sha256": digest, "launches": times,
+               "host_events": events}  # fmt: skip
     (out / "launch_costs.json").write_text(json.dumps(results, indent=1))
     (out / "launch_costs.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -49,18 +49,10 @@ def recurrent(
 
 
 @partial(jax.jit, static_argnames=("chunk",))
-def chunked(
-    q: jax.Array,  # [T, H, Dk]
-    k: jax.Array,  # [T, H, Dk]
-    v: jax.Array,  # [T, H, Dv]
-    g: jax.Array,  # [T, H] log decay, ≤ 0
-    beta: jax.Array,  # [T, H]
-    state: jax.Array,  # [H, Dk, Dv] f32
-    *,
-    chunk: int = 64,
-) -> tuple[jax.Array, jax.Array]:  # o [T, H, Dv] f32, the last state [H, Dk, Dv]
-    """`recurrent`, `chunk` tokens at a time. The tokens are padded at the end to whole chunks with k = 0,
-    β = 0 and g = 0, which leave the state as it was. In f32 throughout, as transformers' reference is."""
+def chunked(q, k, v, g, beta, state, *, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """`recurrent` (the same arguments and results), `chunk` tokens at a time. The tokens are padded at the
+    end to whole chunks with k = 0, β = 0 and g = 0, which leave the state as it was. In f32 throughout, as
+    transformers' reference is."""
     t = q.shape[0]
     pad = -t % chunk
 
@@ -82,9 +74,10 @@ def chunked(
     system = system + jnp.eye(chunk, dtype=jnp.float32)
     solve = partial(solve_triangular, lower=True, unit_diagonal=True)
     values = solve(system, beta[..., None] * v)  # [N, H, C, Dv]
-    keys_from_start = solve(system, (beta * jnp.exp(gamma))[..., None] * k)  # [N, H, C, Dk]
+    from_start = jnp.exp(gamma)  # [N, H, C]
+    keys_from_start = solve(system, (beta * from_start)[..., None] * k)  # [N, H, C, Dk]
     within = jnp.einsum("nhik,nhjk->nhij", q, k, precision=EXACT) * decay  # [N, H, C, C]
-    q_from_start = q * jnp.exp(gamma)[..., None]
+    q_from_start = q * from_start[..., None]
     k_to_end = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]
     chunk_decay = jnp.exp(gamma[..., -1])[..., None, None]  # [N, H, 1, 1]
 

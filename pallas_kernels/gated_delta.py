@@ -12,9 +12,10 @@ how far the token's value overwrites what the state held for its key.
 
 `recurrent` is the definition, a token at a time. `chunked` computes it `chunk` tokens at a time with the
 chunkwise (WY / UT) form of the DeltaNet papers: within a chunk the corrections are one triangular solve, and
-only the chunk's last state is carried on. Both start from a given state and return the last one: in a tree,
-the trunk runs from zeros, and each branch from the trunk's last state on a chunk grid that starts at the
-branch's first token, so a branch's bits depend on its trunk and itself alone (the tree-attention rule, with a
+only the chunk's last state is carried on. Both start from a given state and return the last one.
+`tree_chunked` runs a packed pass of token trees the same way: the trunk from zeros, each template from the
+trunk's last state and each group of option subtrees from the template's, on chunk grids that start at their
+own first rows, so a question's bits depend on its trunk and itself alone (the tree-attention rule, with a
 state in place of the trunk's keys).
 """
 
@@ -23,6 +24,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
+
+from spinf_jax.layout import KEEP_SLOT, KEEP_TRUNK, START_RUNNING, START_SLOT, START_TRUNK
 
 EXACT = jax.lax.Precision.HIGHEST
 
@@ -56,40 +59,94 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64) -> tuple[jax.Array, jax
     t = q.shape[0]
     pad = -t % chunk
 
-    def chunks(x):  # [T, H, ...] → [N, H, C, ...]
+    def chunks(x):  # [T, H, ...] → [N, C, H, ...]
         x = jnp.pad(x.astype(jnp.float32), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-        x = x.reshape(-1, chunk, *x.shape[1:])
-        return jnp.moveaxis(x, 1, 2)
+        return x.reshape(-1, chunk, *x.shape[1:])
 
-    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    gamma = jnp.cumsum(g, axis=-1)  # [N, H, C]: log decay from the chunk start to each token, itself included
-    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
-    # decay[i, j] = exp(gamma_i - gamma_j) for j ≤ i: what token j's write has decayed by when token i reads
-    decay = jnp.exp(jnp.where(lower, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
-    kk = jnp.einsum("nhik,nhjk->nhij", k, k, precision=EXACT)
-    # The corrections of a chunk solve (I + A) x = β·(values, keys decayed from the chunk's start), with A
-    # the strictly lower β_i k_i·k_j decay_ij: each token's correction net of what the chunk's earlier ones
+    path = jnp.tril(jnp.ones((chunk, chunk), bool))  # in a chain every earlier token is on the path
+
+    def one(s, c):
+        return _chunk(*c, path, s, chunk - 1)[::-1]
+
+    state, o = jax.lax.scan(one, state.astype(jnp.float32), tuple(map(chunks, (q, k, v, g, beta))))
+    return o.reshape(-1, *o.shape[2:])[:t], state
+
+
+@partial(jax.jit, static_argnames=("chunk",))
+def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64) -> jax.Array:
+    """The gated delta rule over a packed tree pass (models.layers.TreeBatch): q, k, v, g, beta as in
+    `recurrent` for every row [T, ...], each row's span_end [T], and the pass's recurrent chunks [N, 4]
+    (spinf_jax.layout.Tree.recurrent_chunks: first row, rows, where it starts, which state it keeps). → o
+    [T, H, Dv] f32.
+
+    A chunk's rows are a run of the layout whose paths leave it through one row (the trunk's last, or a
+    template's last): the chunk runs from that row's state, with "earlier on the path" in place of "earlier"
+    (row j is on row i's path when j ≤ i < span_end[j]). The chunks run one after another, in the order of
+    the table, carrying three states: the one the last chunk left, the tree's trunk's and the question's
+    template's. The loop's body is the same for every chunk, so a row's bits depend on its own chunk and
+    the state it starts from, never on what else the pass holds."""
+    t, h, _ = k.shape
+    rows = jnp.arange(chunk)
+
+    def padded(x):  # C rows more at the end, so that every chunk's rows can be sliced whole
+        return jnp.pad(x.astype(jnp.float32), [(0, chunk)] + [(0, 0)] * (x.ndim - 1))
+
+    q, k, v, g, beta = map(padded, (q, k, v, g, beta))
+    ends = jnp.pad(span_end, (0, chunk))
+
+    def one(c, carry):
+        out, running, trunk, slot = carry
+        first, n, start, keep = chunks[c, 0], chunks[c, 1], chunks[c, 2], chunks[c, 3]
+        inside = rows < n
+        take = partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=chunk)
+        q_c, k_c, v_c, g_c, b_c = (
+            jnp.where(inside.reshape(-1, *[1] * (x.ndim - 1)), take(x), 0.0) for x in (q, k, v, g, beta)
+        )
+        path = inside[:, None] & inside[None, :] & (rows[None, :] <= rows[:, None])
+        path = path & (first + rows[:, None] < take(ends)[None, :])
+        zeros = jnp.zeros_like(running)
+        s0 = jnp.select([start == START_RUNNING, start == START_TRUNK, start == START_SLOT],
+                        [running, trunk, slot], zeros)  # fmt: skip
+        o, s = _chunk(q_c, k_c, v_c, g_c, b_c, path, s0, n - 1)
+        o = jnp.where(inside[:, None, None], o, take(out))
+        out = jax.lax.dynamic_update_slice_in_dim(out, o, first, axis=0)
+        trunk = jnp.where(keep == KEEP_TRUNK, s, trunk)
+        slot = jnp.where(keep == KEEP_SLOT, s, slot)
+        return out, s, trunk, slot
+
+    state = jnp.zeros((h, k.shape[-1], v.shape[-1]), jnp.float32)
+    out = jnp.zeros(v.shape, jnp.float32)
+    out, *_ = jax.lax.fori_loop(0, chunks.shape[0], one, (out, state, state, state))
+    return out[:t]
+
+
+def _chunk(q, k, v, g, beta, path, s0, last) -> tuple[jax.Array, jax.Array]:
+    """One chunk of C rows from state s0 [H, Dk, Dv]: q, k [C, H, Dk], v [C, H, Dv], g, beta [C, H] (zero on
+    rows that are not the chunk's), path [C, C] (row j is on row i's path: j ≤ i, both the chunk's) and the
+    row whose state to return (`last`). → (o [C, H, Dv], the state after row `last`), with the chunkwise
+    (WY / UT) form of the DeltaNet papers: the rows' corrections are one triangular solve."""
+    q, k, v = (jnp.moveaxis(x, 1, 0) for x in (q, k, v))  # [H, C, D]
+    g, beta = g.T, beta.T  # [H, C]
+    # gamma[h, i]: log decay from the chunk's start to row i along its path, itself included
+    gamma = jnp.sum(jnp.where(path, g[:, None, :], 0.0), axis=-1)
+    # decay[i, j] = exp(gamma_i - gamma_j) for j on i's path: what row j's write has decayed by when i reads
+    decay = jnp.exp(jnp.where(path, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
+    before = path & ~jnp.eye(path.shape[0], dtype=bool)
+    # The corrections solve (I + A) x = β·(values, keys decayed from the chunk's start), with A the
+    # β_i k_i·k_j decay_ij of the rows j before i on its path: each row's correction net of what its path
     # already wrote for its key.
-    system = jnp.where(jnp.tril(lower, -1), beta[..., :, None] * kk * decay, 0.0)
-    system = system + jnp.eye(chunk, dtype=jnp.float32)
+    kk = jnp.einsum("hik,hjk->hij", k, k, precision=EXACT)
+    system = jnp.where(before, beta[..., :, None] * kk * decay, 0.0) + jnp.eye(path.shape[0])
     solve = partial(solve_triangular, lower=True, unit_diagonal=True)
-    values = solve(system, beta[..., None] * v)  # [N, H, C, Dv]
-    from_start = jnp.exp(gamma)  # [N, H, C]
-    keys_from_start = solve(system, (beta * from_start)[..., None] * k)  # [N, H, C, Dk]
-    within = jnp.einsum("nhik,nhjk->nhij", q, k, precision=EXACT) * decay  # [N, H, C, C]
-    q_from_start = q * from_start[..., None]
-    k_to_end = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]
-    chunk_decay = jnp.exp(gamma[..., -1])[..., None, None]  # [N, H, 1, 1]
-
-    def one(s, c):  # s [H, Dk, Dv]
-        values, keys_from_start, within, q_from_start, k_to_end, chunk_decay = c
-        new = values - jnp.einsum("hck,hkv->hcv", keys_from_start, s, precision=EXACT)
-        o = jnp.einsum("hck,hkv->hcv", q_from_start, s, precision=EXACT)
-        o = o + jnp.einsum("hij,hjv->hiv", within, new, precision=EXACT)
-        s = s * chunk_decay + jnp.einsum("hck,hcv->hkv", k_to_end, new, precision=EXACT)
-        return s, o
-
-    per_chunk = (values, keys_from_start, within, q_from_start, k_to_end, chunk_decay)
-    state, o = jax.lax.scan(one, state.astype(jnp.float32), per_chunk)  # o [N, H, C, Dv]
-    n, h, c, dv = o.shape
-    return jnp.moveaxis(o, 2, 1).reshape(n * c, h, dv)[:t], state
+    from_start = jnp.exp(gamma)  # [H, C]
+    values = solve(system, beta[..., None] * v)  # [H, C, Dv]
+    keys_from_start = solve(system, (beta * from_start)[..., None] * k)  # [H, C, Dk]
+    new = values - jnp.einsum("hck,hkv->hcv", keys_from_start, s0, precision=EXACT)
+    within = jnp.einsum("hik,hjk->hij", q, k, precision=EXACT) * decay
+    o = jnp.einsum("hck,hkv->hcv", q * from_start[..., None], s0, precision=EXACT)
+    o = o + jnp.einsum("hij,hjv->hiv", within, new, precision=EXACT)
+    # The state after row `last`: s0 decayed along its path, plus the writes of the rows on it.
+    to_last = jnp.where(path[last], jnp.exp(gamma[:, last, None] - gamma), 0.0)  # [H, C]
+    s = s0 * jnp.exp(gamma[:, last])[:, None, None]
+    s = s + jnp.einsum("hck,hcv->hkv", k * to_last[..., None], new, precision=EXACT)
+    return jnp.moveaxis(o, 0, 1), s

@@ -42,7 +42,7 @@ from spinf_jax.models.params import nbytes
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
 from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.progress import Progress, Steps
-from spinf_jax.scoring import Scorer
+from spinf_jax.scoring import RECURRENT_EXTRACTION, Scorer
 
 ENGINE_VERSION = "6"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
 # Passes launched and not yet read back, at most (Engine.launch): the device runs one while the host launches
@@ -238,6 +238,8 @@ class Engine:
     ):
         self.model = model
         self.buckets = buckets = buckets or Buckets()
+        if model.decoder.recurrent and not buckets.recurrent:  # its passes carry recurrent chunks
+            self.buckets = buckets = replace(buckets, recurrent=True)
         buckets.check_row_tile(model.row_tile)
         self.fingerprint = (
             "fp_"
@@ -365,8 +367,16 @@ class Engine:
         return replace(self.buckets, sizes=tuple(s for s in self.buckets.sizes if s >= size))
 
     def _pass_args(self, p: Pass) -> tuple:
-        arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)
-        batch = TreeBatch(*map(jnp.asarray, arrays))
+        arrays = (
+            p.tokens,
+            p.positions,
+            p.span_end,
+            p.trunk_end,
+            p.branch_start,
+            p.tree_start_block,
+            p.parent,
+        )
+        batch = TreeBatch(*map(jnp.asarray, arrays), jnp.asarray(p.chunks))
         return self._weights, batch, (p.read_rows, p.target_read, p.target_token)
 
     def _launch_pass(self, p: Pass) -> tuple:
@@ -416,6 +426,8 @@ class Engine:
         waiting for them (JAX dispatches asynchronously), so the caller can prepare the next batch while
         they run; collect waits for their results. Passes with extraction slots run here to the end: their
         decode steps need each step's candidates on the host."""
+        if self.model.decoder.recurrent and any(tree.slots for tree in trees):
+            raise ValueError(RECURRENT_EXTRACTION)
         launched = Launched(trees, [None] * len(trees))
         for p in pack(trees, self.buckets):
             start = time.perf_counter()

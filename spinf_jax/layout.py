@@ -9,6 +9,12 @@ and the row's own branch separately, so that a question's scores do not depend o
 A question with an extraction slot has no options: its branch is the template alone, read at its last row,
 and its answers are decoded from there (spinf_jax.extraction) with the tree's keys and values.
 
+Models with recurrent layers (Qwen3.5's Gated DeltaNet) also need each row's parent (the row before it on its
+path) and the tree cut into chunks of at most RECURRENT_CHUNK rows, each run from one known state
+(Tree.recurrent_chunks): the trunk from zeros, each template from the trunk's last state, each group of whole
+option subtrees from the template's last state. A chunk's rows and where it starts depend on its own question
+alone, which keeps those models' scores batch-invariant too.
+
 An option's log-probability is the sum of reads: log P(o1) at the template's last token, then
 log P(o_{j+1}) at the trie node of o_1..o_j. The trie holds each option's tokens except its last, shared
 between options with a common prefix (" New York" and " New Jersey" share " New").
@@ -21,6 +27,11 @@ SEARCH_WIDTH = 8  # hypotheses a searched slot keeps per step (so at most 8 answ
 MAX_ANSWER_TOKENS = 32  # a searched answer's tokens
 MAX_GENERATED_TOKENS = 128  # a generated answer's tokens
 MAX_CLOSING_TOKENS = 16
+# Rows a recurrent layer computes at once from one state (the chunked gated delta rule's chunk).
+RECURRENT_CHUNK = 64
+# Where a recurrent chunk starts from, and which state it keeps for later chunks (gated_delta.tree_chunked).
+START_ZERO, START_RUNNING, START_TRUNK, START_SLOT = range(4)
+KEEP_NONE, KEEP_TRUNK, KEEP_SLOT = range(3)
 
 
 @dataclass(frozen=True)
@@ -68,7 +79,10 @@ class Tree:
     options: list[list[list[int]]] = field(default_factory=list)  # [question][option] → target indices
     # First row of the branch each row belongs to (row + 1 for trunk rows, which belong to none).
     branch_start: list[int] = field(default_factory=list)
+    parent: list[int] = field(default_factory=list)  # the row before each row on its path (-1: none)
     trunk_tokens: int = 0
+    # Per question: (its first row, its option trie's first row, the row after it, its options).
+    branches: list[tuple[int, int, int, tuple]] = field(default_factory=list)
     slots: list[SlotRow] = field(default_factory=list)
     _reads: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # row → read index
     _target_index: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
@@ -80,18 +94,33 @@ class Tree:
     def trunk(token_ids: list[int]) -> "Tree":
         """A tree of trunk only: the tokens as one chain (spans are completed by whoever adds branches)."""
         tree = Tree()
-        tree._push(token_ids, 0)
+        tree._push(token_ids, 0, -1)
         tree.trunk_tokens = len(tree.tokens)
         return tree
 
-    def _push(self, tokens, position: int) -> int:
-        """Append a chain of tokens (each the next one's parent) from `position`; returns its first row."""
+    def _push(self, tokens, position: int, parent: int) -> int:
+        """Append a chain of tokens (each the next one's parent) from `position`, below row `parent`; returns
+        its first row."""
         first, n = len(self.tokens), len(tokens)
         self.tokens += tokens
         self.positions += range(position, position + n)
         self.span_end += [0] * n  # set when a token's subtree is complete
         self.branch_start += range(first + 1, first + n + 1)
+        self.parent += [parent, *range(first, first + n - 1)][:n]
         return first
+
+    def recurrent_chunks(self) -> list[tuple[int, int, int, int]]:
+        """The tree as recurrent layers run it: (first row, rows, where it starts: START_*, the state it
+        keeps: KEEP_*) per chunk, in the order they run. Raises ValueError where one option subtree is longer
+        than a chunk."""
+        out = _chain(0, self.trunk_tokens, START_ZERO, KEEP_TRUNK)
+        entry = START_TRUNK if self.trunk_tokens else START_ZERO
+        for first, trie, end, option_ids in self.branches:
+            keep = KEEP_SLOT if end > trie else KEEP_NONE
+            out += _chain(first, trie, entry, keep)
+            start = START_SLOT if trie > first else entry
+            out += [(trie + a, n, start, KEEP_NONE) for a, n in _trie_groups(option_ids)]
+        return out
 
     def _read_row(self, row: int) -> int:
         """The read index of a row, added the first time it is asked."""
@@ -115,7 +144,7 @@ def build_tree(prefix: list[int], content_ids: list[int], questions: list[Questi
     for q in questions:
         start = len(tree.tokens)
         depth = tree.trunk_tokens + len(q.template_ids)
-        tree._push(q.template_ids, tree.trunk_tokens)
+        tree._push(q.template_ids, tree.trunk_tokens, tree.trunk_tokens - 1)
         slot_row = len(tree.tokens) - 1 if q.template_ids else tree.trunk_tokens - 1
         if slot_row < 0:
             raise ValueError("nothing to read the slot after: empty content and template, and no BOS")
@@ -128,6 +157,7 @@ def build_tree(prefix: list[int], content_ids: list[int], questions: list[Questi
         else:
             _add_option_trie(tree, q.option_ids, slot_row, depth)
         tree.branch_start[start:] = [start] * (len(tree.tokens) - start)
+        tree.branches.append((start, start + len(q.template_ids), len(tree.tokens), q.option_ids))
         # Template tokens are one chain; its span (and the trie below it) ends here.
         tree.span_end[start : start + len(q.template_ids)] = [len(tree.tokens)] * len(q.template_ids)
     tree.span_end[: tree.trunk_tokens] = [len(tree.tokens)] * tree.trunk_tokens
@@ -147,23 +177,24 @@ def read_tree(token_ids: list[int], reads: dict[int, list[int]]) -> Tree:
 
 def _add_option_trie(tree: Tree, option_ids, slot_row: int, depth: int) -> None:
     """Lay out the trie of option prefixes depth-first below slot_row and record every option's reads."""
-    tokens, depths, spans, reads = _trie(tuple(option_ids))
+    tokens, depths, spans, reads, parents = _trie(tuple(option_ids))
     first = len(tree.tokens)
     tree.tokens += tokens
     tree.positions += [depth + d for d in depths]
     tree.span_end += [first + end for end in spans]
     tree.branch_start += range(first + 1, first + len(tokens) + 1)
+    tree.parent += [slot_row if node < 0 else first + node for node in parents]
     row = lambda node: slot_row if node < 0 else first + node  # noqa: E731 - node -1 is the slot itself
     tree.options.append([[tree._read(row(node), token) for node, token in option] for option in reads])
 
 
 @functools.lru_cache(maxsize=4096)
-def _trie(option_ids: tuple[tuple[int, ...], ...]) -> tuple[tuple, tuple, tuple, tuple]:
+def _trie(option_ids: tuple[tuple[int, ...], ...]) -> tuple[tuple, tuple, tuple, tuple, tuple]:
     """A question's option trie, the same below any slot (a pack or a job asks the same questions of every
     content, so its shape is worked out once): each node's token and depth below the slot's children, in
-    depth-first order; the end of each node's subtree (the index after its last descendant); and each
-    option's reads as (the node read after, -1 for the slot; the token wanted). Tuples: every tree shares
-    them."""
+    depth-first order; the end of each node's subtree (the index after its last descendant); each option's
+    reads as (the node read after, -1 for the slot; the token wanted); and each node's parent node (-1: the
+    slot). Tuples: every tree shares them."""
     nodes: dict[tuple[int, ...], int] = {(): -1}  # option prefix → its node
     order: list[tuple[int, ...]] = []
     for ids in option_ids:
@@ -183,4 +214,42 @@ def _trie(option_ids: tuple[tuple[int, ...], ...]) -> tuple[tuple, tuple, tuple,
             end += 1
         spans.append(end)
     reads = tuple(tuple((nodes[ids[:j]], ids[j]) for j in range(len(ids))) for ids in option_ids)
-    return tuple(p[-1] for p in order), tuple(len(p) - 1 for p in order), tuple(spans), reads
+    parents = tuple(nodes[p[:-1]] for p in order)
+    return tuple(p[-1] for p in order), tuple(len(p) - 1 for p in order), tuple(spans), reads, parents
+
+
+def question_chunks(q: QuestionKey) -> int:
+    """The recurrent chunks a question adds to its tree (Tree.recurrent_chunks)."""
+    return -(-len(q.template_ids) // RECURRENT_CHUNK) + len(_trie_groups(tuple(q.option_ids)))
+
+
+def _chain(first: int, end: int, start: int, keep: int) -> list[tuple[int, int, int, int]]:
+    """Recurrent chunks of the chain of rows [first, end): the first starts as `start` says, the others from
+    the one before; the last keeps its state as `keep` says."""
+    firsts = range(first, end, RECURRENT_CHUNK)
+    return [
+        (a, min(RECURRENT_CHUNK, end - a), start if a == first else START_RUNNING,
+         keep if a + RECURRENT_CHUNK >= end else KEEP_NONE)
+        for a in firsts
+    ]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _trie_groups(option_ids: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int], ...]:
+    """A question's option trie as recurrent chunks: runs of whole subtrees of the slot's children, as many
+    as fit in a chunk, as (first node, nodes). Every chunk starts from the slot's state, and a chunk's rows
+    are what its own options make them."""
+    _, depths, spans, _, _ = _trie(option_ids)
+    groups, node = [], 0
+    while node < len(depths):
+        end = node
+        while end < len(depths) and spans[end] - node <= RECURRENT_CHUNK:
+            end = spans[end]  # the next child of the slot starts where this one's subtree ends
+        if end == node:
+            raise ValueError(
+                f"options sharing their first token make a subtree of {spans[node] - node} tokens; models "
+                f"with recurrent layers read at most {RECURRENT_CHUNK} at once"
+            )
+        groups.append((node, end - node))
+        node = end
+    return tuple(groups)

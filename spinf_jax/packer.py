@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from spinf_jax.layout import QuestionKey, Tree, build_tree, read_tree
+from spinf_jax.layout import RECURRENT_CHUNK, QuestionKey, Tree, build_tree, question_chunks, read_tree
 
 READ_CHUNK = 128
 # A pass's read capacity is two READ_CHUNKs at least, and its targets fill two of the engine's row tiles at
@@ -55,6 +55,11 @@ class Buckets:
     # 12B shape took ~0.14 s on the H200 against ~0.58 s for 16,384 rows; Gemma 3 270M on the CPU 0.74 s
     # for 256 rows, 1.11 s for 512, 1.95 s for 1,024 (benchmarks/results, 2026-12-04).
     pass_overhead: int = 256
+    # The model has recurrent layers (Qwen3.5): passes carry their trees' recurrent chunks (layout), one per
+    # `rows_per_chunk` rows at most. Each chunk costs a step of the layers' chunk loop whether it holds rows
+    # or not: the seed job's articles take one per ~45 rows, the moderation pack's trees one per ~16.
+    recurrent: bool = False
+    rows_per_chunk: int = 16
 
     def __post_init__(self):
         if any(s % self.block or s % READ_CHUNK for s in self.sizes) or list(self.sizes) != sorted(
@@ -84,6 +89,11 @@ class Buckets:
     def max_targets(self, size: int) -> int:
         return size * self.targets_per_row
 
+    def max_chunks(self, size: int) -> int:
+        """Recurrent chunks a pass holds: none without recurrent layers; two at least, so the chunk loop is a
+        loop (XLA inlines one that runs once, and inlined code rounds differently)."""
+        return max(2, size // self.rows_per_chunk) if self.recurrent else 0
+
     @property
     def largest(self) -> int:
         return self.sizes[-1]
@@ -91,8 +101,13 @@ class Buckets:
     def aligned(self, tokens: int) -> int:
         return -(-tokens // self.block) * self.block
 
-    def fits(self, size: int, tokens: int, reads: int, targets: int) -> bool:
-        return tokens <= size and reads <= self.max_reads(size) and targets <= self.max_targets(size)
+    def fits(self, size: int, tokens: int, reads: int, targets: int, chunks: int = 0) -> bool:
+        return (
+            tokens <= size
+            and reads <= self.max_reads(size)
+            and targets <= self.max_targets(size)
+            and chunks <= self.max_chunks(size)
+        )
 
 
 @dataclass
@@ -105,6 +120,10 @@ class Pass:
     trunk_end: np.ndarray  # [size]
     branch_start: np.ndarray  # [size]
     tree_start_block: np.ndarray  # [size // block]
+    parent: (
+        np.ndarray
+    )  # [size] the row before each row on its path (-1: none); empty without recurrent layers
+    chunks: np.ndarray  # [max_chunks, 4] recurrent chunks (Tree.recurrent_chunks), padded with empty ones
     read_rows: np.ndarray  # [max_reads] rows of the pass (padding reads row 0)
     reads: int  # how many of read_rows are the trees' (the rest is padding)
     target_read: np.ndarray  # [max_targets] index into read_rows
@@ -114,8 +133,9 @@ class Pass:
     row_offset: list[int]  # per tree: its first row
 
 
-def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int]:
-    return buckets.aligned(len(tree)), len(tree.read_rows), len(tree.targets)
+def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int, int]:
+    chunks = len(tree.recurrent_chunks()) if buckets.recurrent else 0
+    return buckets.aligned(len(tree)), len(tree.read_rows), len(tree.targets), chunks
 
 
 def content_trees(
@@ -124,21 +144,25 @@ def content_trees(
     """The trees of one content: usually one; more (each with the trunk) when its questions overflow the
     largest bucket. Returns (tree, index of its first question). Depends on the content alone."""
     trunk = buckets.aligned(len(prefix) + len(content_ids))
-    groups, current, tokens, reads, targets = [], [], 0, 0, 0
+    trunk_chunks = -(-(len(prefix) + len(content_ids)) // RECURRENT_CHUNK) if buckets.recurrent else 0
+    groups, current, tokens, reads, targets, chunks = [], [], 0, 0, 0, trunk_chunks
     for q in questions:
         nodes = len({ids[:j] for ids in q.option_ids for j in range(1, len(ids))})
         q_tokens, q_reads = len(q.template_ids) + nodes, 1 + nodes
         q_targets = sum(len(ids) for ids in q.option_ids)
+        q_chunks = question_chunks(q) if buckets.recurrent else 0
         if current and not buckets.fits(
             buckets.largest,
             trunk + buckets.aligned(tokens + q_tokens),
             reads + q_reads,
             targets + q_targets,
+            chunks + q_chunks,
         ):
             groups.append(current)
-            current, tokens, reads, targets = [], 0, 0, 0
+            current, tokens, reads, targets, chunks = [], 0, 0, 0, trunk_chunks
         current.append(q)
         tokens, reads, targets = tokens + q_tokens, reads + q_reads, targets + q_targets
+        chunks += q_chunks
     groups.append(current)
     out, first = [], 0
     for group in groups:
@@ -178,11 +202,12 @@ def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
     best = [0] + [math.inf] * len(trees)  # best[i]: the cheapest passes for trees[:i]
     start_of = [0] * (len(trees) + 1)  # where the last pass of best[i] starts
     for end in range(1, len(trees) + 1):
-        tokens = reads = targets = bucket = 0
+        tokens = reads = targets = chunks = bucket = 0
         for start in range(end - 1, -1, -1):  # the last pass holds trees[start:end]
-            more_tokens, more_reads, more_targets = costs[start]
+            more_tokens, more_reads, more_targets, more_chunks = costs[start]
             tokens, reads, targets = tokens + more_tokens, reads + more_reads, targets + more_targets
-            while bucket < len(sizes) and not buckets.fits(sizes[bucket], tokens, reads, targets):
+            chunks += more_chunks
+            while bucket < len(sizes) and not buckets.fits(sizes[bucket], tokens, reads, targets, chunks):
                 bucket += 1  # the pass only grows as it starts earlier: its bucket never shrinks
             if bucket == len(sizes):
                 break
@@ -198,11 +223,13 @@ def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
     return [_lay_out(list(group), trees, _used(group, costs), buckets) for group in reversed(groups)]
 
 
-def _used(group: range, costs: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+def _used(group: range, costs: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
     return tuple(sum(column) for column in zip(*(costs[i] for i in group), strict=True))
 
 
-def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int], buckets: Buckets) -> Pass:
+def _lay_out(
+    tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int, int], buckets: Buckets
+) -> Pass:
     size = next(s for s in buckets.sizes if buckets.fits(s, *used))
     block = buckets.block
     tokens = np.zeros(size, np.int32)
@@ -211,6 +238,9 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
     trunk_end = span_end.copy()
     branch_start = span_end.copy()
     tree_start_block = np.arange(size // block, dtype=np.int32)
+    parent = np.full(size if buckets.recurrent else 0, -1, np.int32)
+    chunks = _empty_chunks(buckets.max_chunks(size), size)
+    n_chunks = 0
     read_rows = np.zeros(buckets.max_reads(size), np.int32)
     target_read = np.zeros(buckets.max_targets(size), np.int32)
     target_token = np.zeros(buckets.max_targets(size), np.int32)
@@ -225,6 +255,13 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
         branch_start[offset : offset + n] = np.asarray(tree.branch_start) + offset
         first, end = offset // block, buckets.aligned(offset + n) // block
         tree_start_block[first:end] = first
+        if buckets.recurrent:
+            parent[offset : offset + n] = np.asarray(tree.parent) + np.where(
+                np.asarray(tree.parent) < 0, 0, offset
+            )
+            tree_chunks = np.asarray(tree.recurrent_chunks(), np.int32).reshape(-1, 4)
+            chunks[n_chunks : n_chunks + len(tree_chunks)] = tree_chunks + [offset, 0, 0, 0]
+            n_chunks += len(tree_chunks)
         read_rows[n_reads : n_reads + len(tree.read_rows)] = np.asarray(tree.read_rows, np.int32) + offset
         if tree.targets:
             reads, toks = zip(*tree.targets, strict=True)
@@ -245,6 +282,8 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
         trunk_end,
         branch_start,
         tree_start_block,
+        parent,
+        chunks,
         read_rows,
         n_reads,
         target_read,
@@ -253,3 +292,10 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int],
         read_offset,
         row_offset,
     )
+
+
+def _empty_chunks(n: int, rows: int) -> np.ndarray:
+    """[n, 4] recurrent chunks that hold no rows (after the pass's last row) and change no state."""
+    chunks = np.zeros((n, 4), np.int32)
+    chunks[:, 0] = rows
+    return chunks

@@ -1,13 +1,16 @@
 """The gated delta rule in chunks against its definition, a token at a time (pallas_kernels.gated_delta).
 
-Every test runs 40 tokens of the same heads, so the recurrence compiles once for the file."""
+Every test runs 40 tokens of the same heads, so the recurrence compiles once for the file (the tree test once
+more, at its paths' length)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gated_delta import chunked, recurrent
+from pallas_kernels.gated_delta import chunked, recurrent, tree_chunked
+from spinf_jax.layout import QuestionKey, build_tree
+from spinf_jax.packer import Buckets, pack
 
 
 def _inputs(seed: int, t: int, h: int = 2, dk: int = 16, dv: int = 8):
@@ -57,3 +60,37 @@ def test_the_recurrence_is_not_vacuous():
     np.testing.assert_allclose(o, jnp.einsum("hkv,thk->thv", state, q), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(last, state)
     assert not np.allclose(recurrent(q, k, v, g, beta, state)[0], o, atol=1e-3)
+
+
+def test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path():
+    """Two trees in one pass (a trunk over a chunk, a template over a chunk, option tries with shared
+    prefixes and forks, an empty template, a question on empty content): every row's output is the
+    recurrence from zero along its own path, the rows before it that it descends from."""
+    questions = [
+        QuestionKey((11, 12, 13), ((40,), (41,))),
+        QuestionKey((14,) * 70, ((50, 51, 52), (50, 51, 53), (50, 60), (70,))),
+        QuestionKey((), ((7, 8), (9,))),
+        QuestionKey((15, 16), ((60, 61, 62), (60, 63, 64), (65, 66))),  # a trie that forks twice
+    ]
+    trees = [build_tree([2], list(range(5, 75)), questions), build_tree([], [], questions[1:2])]
+    [p] = pack(trees, Buckets((512,), block=32, recurrent=True))
+    q, k, v, g, beta, _ = _inputs(5, p.size)
+    o = tree_chunked(q, k, v, g, beta, jnp.asarray(p.span_end), jnp.asarray(p.chunks))
+    paths = []
+    for offset, tree in zip(p.row_offset, trees, strict=True):
+        for row in range(len(tree)):
+            path = [offset + row]
+            while tree.parent[path[-1] - offset] >= 0:
+                path.append(offset + tree.parent[path[-1] - offset])
+            paths.append(path[::-1])
+    longest = max(map(len, paths))
+    # Every path padded to one length with the pass's last row, a padding row with k = β = g = 0 there.
+    padded = np.array([path + [p.size - 1] * (longest - len(path)) for path in paths])
+    zero_pad = [x.at[-1].set(0) for x in (k, g, beta)]
+    follow = jax.vmap(lambda rows: recurrent(q[rows], *(x[rows] for x in (zero_pad[0], v, *zero_pad[1:])),
+                                             jnp.zeros((2, 16, 8)))[0])  # fmt: skip
+    want = follow(jnp.asarray(padded))
+    for path, expected in zip(paths, want, strict=True):
+        np.testing.assert_allclose(
+            o[path[-1]], expected[len(path) - 1], rtol=1e-4, atol=1e-5, err_msg=str(path)
+        )

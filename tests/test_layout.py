@@ -8,7 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spinf_jax.engine import Engine, Scored
-from spinf_jax.layout import QuestionKey, build_tree
+from spinf_jax.layout import (
+    KEEP_NONE,
+    KEEP_SLOT,
+    KEEP_TRUNK,
+    START_RUNNING,
+    START_SLOT,
+    START_TRUNK,
+    START_ZERO,
+    Extract,
+    QuestionKey,
+    build_tree,
+    question_chunks,
+)
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.packer import Buckets, content_trees, pack, read_trees
 from tests import engines
@@ -23,7 +35,7 @@ QUESTIONS = [
 ]
 
 
-FAMILIES = ["gemma3", "qwen3", "gemma4", "gemma4-e2b", "gemma4-keqv"]
+FAMILIES = ["gemma3", "qwen3", "gemma4", "gemma4-e2b", "gemma4-keqv", "qwen3_5"]
 
 
 def _engine(family: str, precision: str) -> Engine:
@@ -240,3 +252,55 @@ def test_tree_layout_is_depth_first_with_spans():
     assert [tree.targets[i] for i in tree.options[0][1]] == [(0, 1), (1, 4)]
     assert [tree.targets[i] for i in tree.options[0][2]] == [(0, 5)]
     assert [tree.targets[i] for i in tree.options[1][0]] == [(5, 3)]
+    # each row's parent: the row before it on its path
+    assert tree.parent == [-1, 0, 1, 2, 3, 4, 3, 6, 2]
+
+
+def test_recurrent_chunks_start_from_their_own_questions_states():
+    """Recurrent layers run the trunk in 64-row chunks from zeros, each template from the trunk's last state
+    (a long one in chunks of its own), each run of whole option subtrees from its template's last state, and
+    an empty template's options from the trunk's; nothing depends on the other questions."""
+    questions = [
+        QuestionKey((9,) * 70, ((1, 2, 3), (1, 4), (5,), (6, 7, 8))),
+        QuestionKey((), ((3, 4), (5,))),
+        QuestionKey((10,), ((3,),)),
+    ]
+    tree = build_tree([BOS], list(range(5, 105)), questions)  # trunk 101 rows
+    assert tree.recurrent_chunks() == [
+        (0, 64, START_ZERO, KEEP_NONE), (64, 37, START_RUNNING, KEEP_TRUNK),  # the trunk
+        (101, 64, START_TRUNK, KEEP_NONE), (165, 6, START_RUNNING, KEEP_SLOT),  # a 70-token template
+        (171, 4, START_SLOT, KEEP_NONE),  # its trie: (1,) → (1, 2), (6,) → (6, 7)
+        (175, 1, START_TRUNK, KEEP_NONE),  # (3,) below the trunk's last row
+        (176, 1, START_TRUNK, KEEP_NONE),  # a template with one-token options: no trie
+    ]  # fmt: skip
+    alone = build_tree([BOS], list(range(5, 105)), questions[:1]).recurrent_chunks()
+    assert alone == tree.recurrent_chunks()[:5]
+    # With no trunk at all the template starts from zeros; the rest is the same chunks, 101 rows earlier.
+    on_empty = build_tree([], [], questions[:1]).recurrent_chunks()
+    assert on_empty == [(0, 64, START_ZERO, KEEP_NONE), *((a - 101, *rest) for a, *rest in alone[3:])]
+    assert sum(question_chunks(q) for q in questions) == 5
+
+
+def test_recurrent_passes_hold_their_chunks_and_refuse_long_option_subtrees():
+    """A pass of a recurrent model holds at most one chunk per 16 rows (each costs a step whether it holds
+    rows or not): many small questions split passes that their rows alone would not. Options sharing a first
+    token whose subtree outgrows a chunk are refused with a clear error."""
+    buckets = Buckets((256, 512), block=32, recurrent=True)
+    questions = [QuestionKey((20 + i,), ((40,), (41,))) for i in range(40)]
+    trees = [tree for tree, _ in content_trees([BOS], _content(3, 20), questions, buckets)]
+    assert all(len(t.recurrent_chunks()) <= buckets.max_chunks(512) for t in trees) and len(trees) > 1
+    # 96 rows, which one 256-row pass would hold, but 41 chunks: 32 fit in a 512-row pass, 16 in a 256-row one
+    assert sum(buckets.aligned(len(t)) for t in trees) == 96
+    assert [len(t.recurrent_chunks()) for t in trees] == [32, 10]
+    assert [p.size for p in pack(trees, buckets)] == [512, 256]
+    for p in pack(trees, buckets):
+        assert (p.chunks[:, 1] > 0).sum() <= buckets.max_chunks(p.size) == len(p.chunks)
+    many = tuple((1, i, i + 100, 7) for i in range(2, 40))  # nodes (1,), (1, i), (1, i, i + 100): 77 rows
+    with pytest.raises(ValueError, match="subtree of 77 tokens"):
+        content_trees([BOS], [5], [QuestionKey((9,), many)], buckets)
+
+
+def test_extraction_is_refused_on_recurrent_models():
+    engine = _engine("qwen3_5", "fp32")
+    with pytest.raises(ValueError, match="not supported yet on models with recurrent layers"):
+        engine.score_trees([build_tree([BOS], [5, 6], [QuestionKey((9,), extract=Extract())])])

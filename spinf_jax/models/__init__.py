@@ -8,6 +8,7 @@ from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.gemma3 import Gemma3
 from spinf_jax.models.gemma4 import Gemma4
 from spinf_jax.models.llama import Llama
+from spinf_jax.models.qwen3_5 import Qwen3_5
 from spinf_jax.quant import Precision
 
 _FAMILIES: dict[str, type[Decoder]] = {
@@ -15,6 +16,8 @@ _FAMILIES: dict[str, type[Decoder]] = {
     "gemma3": Gemma3,
     "gemma4_text": Gemma4,
     "gemma4": Gemma4,
+    "qwen3_5_text": Qwen3_5,
+    "qwen3_5": Qwen3_5,
     "qwen3": Llama,
     "qwen2": Llama,
     "llama": Llama,

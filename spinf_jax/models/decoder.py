@@ -67,7 +67,10 @@ class Decoder(nnx.Module):
     layers with equal signatures can share one), the final norm and the final-logit softcap (or None). Each
     layer is called through `_call_layer` (layer(x, batch, row_tile) unless a family says otherwise) and
     returns the new residual stream and the keys and values it computed (None when it reads another
-    layer's). A family's subclass defines the row-local `_embed(tokens)` and `_final_norm(x)`."""
+    layer's, or keeps none). A family's subclass defines the row-local `_embed(tokens)` and `_final_norm(x)`.
+    A family with recurrent layers (`recurrent`) reads the batch's parents and recurrent chunks."""
+
+    recurrent = False
 
     def __init__(self, config, precision: Precision, make_layer, signatures: list, *, tied: bool,
                  softcap: float | None):  # fmt: skip

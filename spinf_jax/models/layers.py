@@ -10,6 +10,7 @@ import numpy as np
 from pallas_kernels import decode_attention
 from pallas_kernels.late_map import late_map
 from pallas_kernels.tree_attention import blockwise, kernel
+from spinf_jax.layout import Tree
 from spinf_jax.quant import Weight, embed, linear
 
 # Hugging Face's names for the two kinds of attention layer (Gemma 3 and 4 alternate them).
@@ -27,6 +28,10 @@ class TreeBatch:
     see each other; and nothing spans past its own tree, so packed contents never see their neighbours.
     A plain sequence is the special case span_end[j] = T for all j. Padding spans only itself.
 
+    Recurrent layers (Qwen3.5's Gated DeltaNet) read `parent`, the row before each row on its path, for their
+    short convolution, and run the gated delta rule over `chunks` (spinf_jax.layout.Tree.recurrent_chunks);
+    both are empty for models without such layers.
+
     Attention reads a row's keys in two parts (pallas_kernels.tree_attention): the trunk of its tree, in key
     blocks of T // len(tree_start_block) tokens counted from the tree's first block (trees start on block
     boundaries), then the row's own branch (one question: its template and option trie), in key blocks
@@ -41,6 +46,8 @@ class TreeBatch:
     trunk_end: jax.Array  # [T] int32: end of the trunk of the row's tree (i + 1 for padding)
     branch_start: jax.Array  # [T] int32: first row of the row's branch (i + 1 for trunk rows and padding)
     tree_start_block: jax.Array  # [T // block] int32: first block of the tree each block belongs to
+    parent: jax.Array  # [T] int32, -1 where a row has none (or [0])
+    chunks: jax.Array  # [N, 4] int32: first row, rows, start, keep (or [0, 4])
 
     @property
     def block(self) -> int:
@@ -51,7 +58,8 @@ class TreeBatch:
         """Plain sequences side by side in one pass, padded to whole blocks; returns each one's first row.
 
         They are not block-aligned: every block reads keys from block 0 and the mask keeps them apart, which
-        is exact but not batch-invariant (the engine's packer aligns trees instead)."""
+        is exact but not batch-invariant (the engine's packer aligns trees instead). Recurrent chunks are laid
+        out for every model (each sequence is a trunk); models without recurrent layers ignore them."""
         starts = np.cumsum([0] + [len(s) for s in sequences[:-1]]).tolist()
         n = sum(len(s) for s in sequences)
         total = -(-n // block) * block
@@ -59,14 +67,25 @@ class TreeBatch:
         positions = np.zeros(total, np.int32)
         span_end = np.arange(1, total + 1, dtype=np.int32)  # a padding token sees only itself
         trunk_end = span_end.copy()
+        parent = np.full(total, -1, np.int32)
+        chunks = []
         for start, seq in zip(starts, sequences, strict=True):
             end = start + len(seq)
             tokens[start:end] = seq
             positions[start:end] = np.arange(len(seq))
             span_end[start:end] = end
             trunk_end[start:end] = end  # a plain sequence is all trunk
+            parent[start + 1 : end] = np.arange(start, end - 1)
+            chunks += [(a + start, *rest) for a, *rest in Tree.trunk(list(seq)).recurrent_chunks()]
+        table = np.zeros((max(2, len(chunks)), 4), np.int32)
+        table[:, 0] = total  # unused entries hold no rows
+        table[: len(chunks)] = chunks
         arrays = (tokens, positions, span_end, trunk_end, np.arange(1, total + 1, dtype=np.int32))
-        batch = TreeBatch(*map(jnp.asarray, arrays), jnp.zeros(total // block, jnp.int32))
+        batch = TreeBatch(
+            *map(jnp.asarray, arrays),
+            jnp.zeros(total // block, jnp.int32),
+            *map(jnp.asarray, (parent, table)),
+        )
         return batch, starts
 
     @staticmethod

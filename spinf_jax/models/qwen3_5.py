@@ -1,0 +1,254 @@
+"""Qwen3.5 (transformers `qwen3_5`), dense, as NNX modules over a packed tree batch.
+
+Layers of two kinds, three Gated DeltaNet layers to one gated attention layer in the published models:
+- Gated DeltaNet (linear attention): one projection gives q, k and v, which go through a depthwise causal
+  convolution over the last 4 tokens of the row's path and SiLU; q and k are L2-normalised (q scaled by
+  1 / sqrt(key dim)), each key head serving several value heads; the gated delta rule (pallas_kernels.
+  gated_delta) with β = sigmoid(b) and log decay g = -exp(A_log) · softplus(a + dt_bias); its output
+  RMS-normalised per head, scaled by w, gated by SiLU(z), projected back.
+- Gated attention: q_proj gives each head's query and an output gate side by side; q/k RMSNorm per head;
+  rope on the first quarter of head_dim only, with frequencies over that quarter; the attention output
+  times sigmoid(gate) before o_proj.
+RMSNorms scale by (1 + w) in f32 (the gated one by w); SwiGLU MLP; no embedding scale; untied head.
+
+Multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text weights under model.language_model.;
+the loader reads them there (checkpoint.py). The MoE variants (qwen3_5_moe) are not supported yet.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.gated_delta import tree_chunked
+from spinf_jax.models.decoder import Decoder
+from spinf_jax.models.layers import (
+    Batch,
+    DecodeBatch,
+    Rope,
+    apply_rope,
+    attention,
+    by_rows,
+    gated_mlp,
+    rms_norm,
+)
+from spinf_jax.models.params import Kind, layer_weight
+from spinf_jax.quant import Precision, embed, linear
+
+LINEAR, FULL = "linear_attention", "full_attention"
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int  # the leading dims of each head that rope rotates
+    rope: Rope
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_dim: int
+    linear_value_dim: int
+    conv_kernel: int
+    tie_embeddings: bool
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @staticmethod
+    def from_hf(c: dict) -> "Config":
+        c = c.get("text_config", c)
+        if c.get("model_type") not in MODEL_TYPES:
+            raise ValueError(f"model_type {c.get('model_type')!r} is not one of {MODEL_TYPES}")
+        if c.get("attention_bias"):
+            raise ValueError("Qwen3.5 attention biases are not supported")
+        rope = dict(c.get("rope_parameters") or {})
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        partial_rotary = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+        layers = c.get("layer_types") or [
+            FULL if (i + 1) % c.get("full_attention_interval", 4) == 0 else LINEAR
+            for i in range(c["num_hidden_layers"])
+        ]
+        return Config(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            layer_types=tuple(layers[: c["num_hidden_layers"]]),
+            num_heads=c["num_attention_heads"],
+            num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial_rotary),
+            # Text positions are the same on mrope's three axes, where it is plain rope.
+            rope=Rope(float(rope.get("rope_theta", c.get("rope_theta", 1e7)))),
+            linear_key_heads=c["linear_num_key_heads"],
+            linear_value_heads=c["linear_num_value_heads"],
+            linear_key_dim=c["linear_key_head_dim"],
+            linear_value_dim=c["linear_value_head_dim"],
+            conv_kernel=c.get("linear_conv_kernel_dim", 4),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        )
+
+
+class _Layer(nnx.Module):
+    """What both kinds of layer hold: the two norms and the MLP (layers `ids`, stacked)."""
+
+    def __init__(self, cfg: Config, ids: tuple[int, ...], precision: Precision):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        w = partial(layer_weight, ids, precision)
+        self.cfg = cfg
+        self.input_norm = w((d,), "input_layernorm.weight", Kind.NORM)
+        self.post_attn_norm = w((d,), "post_attention_layernorm.weight", Kind.NORM)
+        self.gate = w((f, d), "mlp.gate_proj.weight", Kind.LINEAR)
+        self.up = w((f, d), "mlp.up_proj.weight", Kind.LINEAR)
+        self.down = w((d, f), "mlp.down_proj.weight", Kind.LINEAR)
+
+    def _after_mixing(self, x, mixed):
+        """Row-local: residual, MLP, residual. mixed: the token mixer's output [T, hidden]."""
+        x = x + mixed
+        mlp = (self.gate.get_value(), self.up.get_value(), self.down.get_value())
+        return x + gated_mlp(_norm(x, self.post_attn_norm, self.cfg), *mlp, jax.nn.silu)
+
+
+class GatedDeltaLayer(_Layer):
+    def __init__(self, cfg: Config, ids: tuple[int, ...], precision: Precision):
+        super().__init__(cfg, ids, precision)
+        d, hv = cfg.hidden_size, cfg.linear_value_heads
+        key, value = cfg.linear_key_heads * cfg.linear_key_dim, hv * cfg.linear_value_dim
+        w = partial(layer_weight, ids, precision)
+        self.qkv = w((2 * key + value, d), "linear_attn.in_proj_qkv.weight", Kind.LINEAR)
+        self.z = w((value, d), "linear_attn.in_proj_z.weight", Kind.LINEAR)
+        self.b = w((hv, d), "linear_attn.in_proj_b.weight", Kind.LINEAR)
+        self.a = w((hv, d), "linear_attn.in_proj_a.weight", Kind.LINEAR)
+        # [channels, 1, kernel]: kept in f32 like the other small per-channel weights
+        self.conv = w((2 * key + value, 1, cfg.conv_kernel), "linear_attn.conv1d.weight", Kind.NORM)
+        self.dt_bias = w((hv,), "linear_attn.dt_bias", Kind.NORM)
+        self.a_log = w((hv,), "linear_attn.A_log", Kind.NORM)
+        self.norm = w((cfg.linear_value_dim,), "linear_attn.norm.weight", Kind.NORM)
+        self.out = w((d, value), "linear_attn.out_proj.weight", Kind.LINEAR)
+
+    def __call__(self, x, batch: Batch, row_tile: int | None):
+        """→ (the residual stream after this layer, None: it keeps no keys)."""
+        if isinstance(batch, DecodeBatch):
+            raise NotImplementedError(
+                "decoding through Gated DeltaNet layers (extraction) is not supported yet"
+            )
+        mixed, z, b, a = by_rows(self._project, row_tile, x)
+        # The convolution reads the rows before each row on its path: gathers, exact, so still row-local.
+        earlier, row = [mixed], batch.parent
+        for _ in range(self.cfg.conv_kernel - 1):
+            earlier.append(jnp.where((row >= 0)[:, None], mixed[jnp.maximum(row, 0)], 0))
+            row = jnp.where(row >= 0, batch.parent[jnp.maximum(row, 0)], -1)
+        q, k, v, g, beta = by_rows(self._gate_inputs, row_tile, jnp.stack(earlier, axis=1), b, a)
+        o = tree_chunked(q, k, v, g, beta, batch.span_end, batch.chunks)
+        return by_rows(self._finish, row_tile, x, o, z), None
+
+    def _project(self, x):
+        """Row-local: the input projections (q, k, v before the convolution [T, 2·key + value], z [T, value],
+        b and a [T, value heads])."""
+        h = _norm(x, self.input_norm, self.cfg)
+        return tuple(linear(h, w.get_value()) for w in (self.qkv, self.z, self.b, self.a))
+
+    def _gate_inputs(self, window, b, a):
+        """Row-local: window [T, kernel, channels] (the row, then the rows before it on its path) → the gated
+        delta rule's q, k [T, value heads, key dim], v [T, value heads, value dim], g and β [T, heads]."""
+        cfg, t, dtype = self.cfg, window.shape[0], window.dtype
+        taps = self.conv.get_value()[:, 0, ::-1]  # [channels, kernel], the row's own tap first
+        mixed = jax.nn.silu(jnp.einsum("tkc,ck->tc", window.astype(jnp.float32), taps)).astype(dtype)
+        key = cfg.linear_key_heads * cfg.linear_key_dim
+        q, k, v = jnp.split(mixed, [key, 2 * key], axis=-1)
+        repeat = (
+            cfg.linear_value_heads // cfg.linear_key_heads
+        )  # key head i serves value heads i·r .. i·r+r-1
+        q, k = (jnp.repeat(_l2norm(x.reshape(t, cfg.linear_key_heads, -1)), repeat, axis=1) for x in (q, k))
+        v = v.reshape(t, cfg.linear_value_heads, cfg.linear_value_dim)
+        beta = jax.nn.sigmoid(b).astype(jnp.float32)
+        rate = jnp.exp(self.a_log.get_value()) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias.get_value()
+        )
+        return q * cfg.linear_key_dim**-0.5, k, v, -rate, beta
+
+    def _finish(self, x, o, z):
+        """Row-local: the gated norm of the rule's output [T, heads, value dim], out_proj, then the MLP."""
+        cfg, dtype = self.cfg, x.dtype
+        normed = rms_norm(o.astype(dtype), self.norm.get_value(), cfg.rms_norm_eps, style="llama")
+        gated = normed.astype(jnp.float32) * jax.nn.silu(z.reshape(o.shape).astype(jnp.float32))
+        mixed = linear(gated.astype(dtype).reshape(x.shape[0], -1), self.out.get_value())
+        return self._after_mixing(x, mixed)
+
+
+class AttentionLayer(_Layer):
+    def __init__(self, cfg: Config, ids: tuple[int, ...], precision: Precision):
+        super().__init__(cfg, ids, precision)
+        d, hd = cfg.hidden_size, cfg.head_dim
+        q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        w = partial(layer_weight, ids, precision)
+        self.q = w((2 * q_out, d), "self_attn.q_proj.weight", Kind.LINEAR)  # per head: query, then gate
+        self.k = w((kv_out, d), "self_attn.k_proj.weight", Kind.LINEAR)
+        self.v = w((kv_out, d), "self_attn.v_proj.weight", Kind.LINEAR)
+        self.o = w((d, q_out), "self_attn.o_proj.weight", Kind.LINEAR)
+        self.q_norm = w((hd,), "self_attn.q_norm.weight", Kind.NORM)
+        self.k_norm = w((hd,), "self_attn.k_norm.weight", Kind.NORM)
+
+    def __call__(self, x, batch: Batch, row_tile: int | None):
+        """→ (the residual stream after this layer, the keys and values it attended with)."""
+        q, gate, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
+        attn = attention(q, k, v, batch, scale=self.cfg.head_dim**-0.5)
+        return by_rows(self._finish, row_tile, x, attn, gate), (k, v)
+
+    def _qkv(self, x, positions):
+        """Row-local: queries [T, heads, head_dim], their output gates, keys and values."""
+        cfg, t, hd = self.cfg, x.shape[0], self.cfg.head_dim
+        h = _norm(x, self.input_norm, cfg)
+        q, gate = jnp.split(linear(h, self.q.get_value()).reshape(t, cfg.num_heads, 2 * hd), 2, axis=-1)
+        k = linear(h, self.k.get_value()).reshape(t, cfg.num_kv_heads, hd)
+        v = linear(h, self.v.get_value()).reshape(t, cfg.num_kv_heads, hd)
+        q, k = (self._rope(_norm(y, w, cfg), positions) for y, w in ((q, self.q_norm), (k, self.k_norm)))
+        return q, gate, k, v
+
+    def _rope(self, x, positions):
+        r = self.cfg.rotary_dim
+        return jnp.concatenate([apply_rope(x[..., :r], positions, self.cfg.rope), x[..., r:]], axis=-1)
+
+    def _finish(self, x, attn, gate):
+        """Row-local: the gated output projection, then the MLP."""
+        gated = attn * jax.nn.sigmoid(gate)
+        return self._after_mixing(x, linear(gated.reshape(x.shape[0], -1), self.o.get_value()))
+
+
+class Qwen3_5(Decoder):
+    Config = Config
+    recurrent = True
+
+    def __init__(self, cfg: Config, precision: Precision):
+        def make_layer(ids):
+            kind = GatedDeltaLayer if cfg.layer_types[ids[0]] == LINEAR else AttentionLayer
+            return kind(cfg, ids, precision)
+
+        signatures = list(cfg.layer_types)
+        super().__init__(cfg, precision, make_layer, signatures, tied=cfg.tie_embeddings, softcap=None)
+
+    def _embed(self, tokens):
+        return embed(tokens, self.embed.get_value(), self.precision.activation_dtype)
+
+    def _final_norm(self, x):
+        return _norm(x, self.final_norm, self.config)
+
+
+def _norm(x, w: nnx.Param, cfg: Config):
+    return rms_norm(x, w.get_value(), cfg.rms_norm_eps, style="gemma3")
+
+
+def _l2norm(x):
+    """x / |x| over the last axis in f32, as the reference's (eps 1e-6 under the root)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)

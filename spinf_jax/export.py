@@ -275,6 +275,9 @@ parity.md and parity.json), measured {report["date"]} on {m["backend"]} ({m["dev
 - against the source at fp32: max |Δ log-prob| {drift["max_abs"]:.3g}, mean {drift["mean_abs"]:.3g}, top-1
   agreement {drift["top1_agreement"]:.3f}."""
     norms = "norms and biases" if by_kind[Kind.BIAS] else "norms"
+    routers = (
+        f"\n| experts' routers | bf16 | {_grouped(by_kind[Kind.ROUTER])} |" if by_kind[Kind.ROUTER] else ""
+    )
     towers = ""
     if "text_config" in checkpoint.config:
         towers = (
@@ -300,7 +303,7 @@ quantizes the source at load.
 | weights | stored as | tensors |
 |---|---|---|
 | linear projections | {stored} | {_grouped(by_kind[Kind.LINEAR])} |
-| embedding tables (the LM head too) | bf16 | {_grouped(by_kind[Kind.EMBED])} |
+| embedding tables (the LM head too) | bf16 | {_grouped(by_kind[Kind.EMBED])} |{routers}
 | {norms} | f32 | {_grouped(by_kind[Kind.NORM] + by_kind[Kind.BIAS])} |
 
 Activations: {activations}.

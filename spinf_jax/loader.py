@@ -21,7 +21,7 @@ from spinf_jax.checkpoint import GGUFFile, SafetensorsFolder
 from spinf_jax.models import abstract_decoder
 from spinf_jax.models.decoder import Decoder, hidden_states, split
 from spinf_jax.models.layers import TreeBatch
-from spinf_jax.models.params import Kind, params, per_source, stored_as
+from spinf_jax.models.params import Kind, params, per_source, stacked_shape, stored_as
 from spinf_jax.progress import Progress, Steps
 from spinf_jax.quant import Precision, QuantArray, Weight, quantize
 from spinf_jax.quantized import SCALE_SUFFIX, written_precision
@@ -157,12 +157,16 @@ def stored_weights(decoder: Decoder, checkpoint) -> Iterator[tuple[nnx.Param, We
                 layers.append(_final(jnp.asarray(w), param.kind, decoder.precision))
             else:
                 layers.append(_as_written(source, expected, w, checkpoint))
-        yield param, _stack(layers) if isinstance(param.source, tuple) else layers[0]
+        yield (
+            param,
+            _stack(layers, stacked_shape(param.source)) if isinstance(param.source, tuple) else layers[0],
+        )
 
 
-@jax.jit
-def _stack(layers: list[Weight]) -> Weight:
-    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+@partial(jax.jit, static_argnums=1)
+def _stack(layers: list[Weight], lead: tuple[int, ...]) -> Weight:
+    """The sources' tensors (in per_source's order) stacked into the Param's leading axes `lead`."""
+    return jax.tree.map(lambda *a: jnp.stack(a).reshape(*lead, *a[0].shape), *layers)
 
 
 def load_weights(decoder: Decoder, checkpoint, progress: Progress | None = None) -> None:

@@ -16,7 +16,7 @@ else has been checked to read these files, and the scale is [out], not compresse
 import json
 from pathlib import Path
 
-from spinf_jax.models.params import Kind, params, stored_as
+from spinf_jax.models.params import Kind, params, sources, stored_as
 from spinf_jax.quant import Precision
 
 METHOD = "spinf-jax"
@@ -54,8 +54,11 @@ def quantization_config(decoder) -> dict:
         "weight_scale": f"<name>.weight{SCALE_SUFFIX}: float32 [out], absmax of the row / the type's max",
         "kept": {kind.value: stored_as(kind, precision).value for kind in Kind if kind is not Kind.LINEAR},
         "ignore": [
-            p.source.removesuffix(".weight") for p in params(decoder) if p.kind is Kind.EMBED
-        ],  # the embedding tables (and LM head): bf16, see params.stored_as
+            name.removesuffix(".weight")
+            for p in params(decoder)
+            if p.kind in (Kind.EMBED, Kind.ROUTER)
+            for name in sources(p)
+        ],  # the embedding tables (and LM head), experts' routers: bf16, see params.stored_as
         "calibration": None,
     }
 

@@ -15,7 +15,17 @@ from spinf_jax.models.layers import TreeBatch
 from spinf_jax.models.params import Kind, params, per_source
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
-FAMILIES = ["gemma3", "qwen3", "qwen2", "llama", "gemma4", "gemma4-e2b", "gemma4-keqv", "qwen3_5"]
+FAMILIES = [
+    "gemma3",
+    "qwen3",
+    "qwen2",
+    "llama",
+    "gemma4",
+    "gemma4-e2b",
+    "gemma4-keqv",
+    "qwen3_5",
+    "qwen3_moe",
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

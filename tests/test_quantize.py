@@ -33,11 +33,12 @@ def _weights(model) -> list:
     return jax.tree.leaves([p.get_value() for p in params(model.decoder)])
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2", "gemma4-e2b"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2", "gemma4-e2b", "qwen3_moe"])
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
 def test_written_weights_are_the_weights_quantized_at_load(tmp_path, family, precision):
-    """Every stored array (values, scales, bf16 embeddings, f32 norms and biases) has the same dtype and bits,
-    read from shards of at most 40 kB (a larger tensor alone in its shard) listed in the index."""
+    """Every stored array (values, scales, bf16 embeddings and routers, f32 norms and biases) has the same
+    dtype and bits, read from shards of at most 40 kB (a larger tensor alone in its shard) listed in the
+    index; a mixture of experts' experts one tensor each, as in its source."""
     out = _write(family, precision, tmp_path / "q", shard_bytes=40_000)
     written, at_load = load_model(str(out), precision), load_model(str(TINY / family), precision)
     assert isinstance(written.decoder.layer(0)[0].q.get_value(), QuantArray)
@@ -51,6 +52,9 @@ def test_written_weights_are_the_weights_quantized_at_load(tmp_path, family, pre
         tensors = [name for name, file in index["weight_map"].items() if file == shard.name]
         assert shard.stat().st_size < 40_000 + 4096 or len({t.removesuffix("_scale") for t in tensors}) == 1
     assert written.digest == checkpoint_digest(out) != at_load.digest
+    if family == "qwen3_moe":
+        assert "model.layers.0.mlp.experts.7.down_proj.weight_scale" in index["weight_map"]
+        assert written.decoder.layer(0)[0].router.get_value().dtype == jnp.bfloat16
 
 
 def test_int8_checkpoint_scores_bit_identical_to_quantizing_at_load(tmp_path):

@@ -19,6 +19,7 @@ _FAMILIES: dict[str, type[Decoder]] = {
     "qwen3_5_text": Qwen3_5,
     "qwen3_5": Qwen3_5,
     "qwen3": Llama,
+    "qwen3_moe": Llama,
     "qwen2": Llama,
     "llama": Llama,
 }

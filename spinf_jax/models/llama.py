@@ -1,22 +1,36 @@
-"""The Llama-architecture decoders as NNX modules: Llama itself (SmolLM2 among others), Qwen2 and Qwen3, which
-differ only in configuration.
+"""The Llama-architecture decoders as NNX modules: Llama itself (SmolLM2 among others), Qwen2, Qwen3 and Qwen3
+MoE, which differ only in configuration.
 
 Llama: RMSNorm scales by w after casting back; SwiGLU MLP; GQA; no biases. Qwen2: Llama plus biases on q/k/v.
-Qwen3: Llama plus a per-head RMSNorm on q and k before rope.
+Qwen3: Llama plus a per-head RMSNorm on q and k before rope. Qwen3 MoE: Qwen3 whose MLPs (every
+`decoder_sparse_step`-th layer, except `mlp_only_layers`) are mixtures of SwiGLU experts: a router's softmax
+picks each token's top `num_experts_per_tok` (renormalised with `norm_topk_prob`), their outputs weighted by
+those probabilities (spinf_jax.models.moe).
 """
 
 from dataclasses import dataclass
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.layers import Batch, Rope, apply_rope, attention, by_rows, gated_mlp, rms_norm
+from spinf_jax.models.moe import Experts, route
 from spinf_jax.models.params import Kind, layer_weight
 from spinf_jax.quant import Precision, embed, linear
 
-MODEL_TYPES = ("qwen3", "qwen2", "llama")
+MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class MoE:
+    experts: int
+    top_k: int
+    inner: int  # each expert's intermediate size
+    normalize: bool  # renormalise the top-k probabilities to sum to one
+    sparse: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
 
 
 @dataclass(frozen=True)
@@ -33,6 +47,7 @@ class Config:
     qkv_bias: bool  # Qwen2 (and Llama/Qwen3 checkpoints with attention_bias)
     tie_embeddings: bool
     rms_norm_eps: float = 1e-6
+    moe: MoE | None = None
 
     @staticmethod
     def from_hf(c: dict) -> "Config":
@@ -45,20 +60,31 @@ class Config:
             **(c.get("rope_scaling") or {}),
             "rope_theta": c.get("rope_theta"),
         }
+        layers, moe = c["num_hidden_layers"], None
+        experts = c.get("num_experts", c.get("num_local_experts", 0))  # transformers 5 writes the second
+        if model_type == "qwen3_moe" and experts > 0:
+            dense, step = set(c.get("mlp_only_layers") or []), c.get("decoder_sparse_step", 1)
+            sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+            moe = MoE(experts, c["num_experts_per_tok"], c["moe_intermediate_size"],
+                      bool(c.get("norm_topk_prob", False)), sparse)  # fmt: skip
         return Config(
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
+            num_layers=layers,
             num_heads=c["num_attention_heads"],
             num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
             head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
             rope=Rope.from_hf({k: v for k, v in rope.items() if v is not None}, 1e4),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias")),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            moe=moe,
         )
+
+    def sparse(self, i: int) -> bool:
+        return self.moe is not None and self.moe.sparse[i]
 
 
 class Layer(nnx.Module):
@@ -76,9 +102,19 @@ class Layer(nnx.Module):
         self.v = w((kv_out, d), "self_attn.v_proj.weight", Kind.LINEAR)
         self.o = w((d, q_out), "self_attn.o_proj.weight", Kind.LINEAR)
         self.post_attn_norm = w((d,), "post_attention_layernorm.weight", Kind.NORM)
-        self.gate = w((f, d), "mlp.gate_proj.weight", Kind.LINEAR)
-        self.up = w((f, d), "mlp.up_proj.weight", Kind.LINEAR)
-        self.down = w((d, f), "mlp.down_proj.weight", Kind.LINEAR)
+        sparse = cfg.sparse(ids[0])
+        self.gate = w((f, d), "mlp.gate_proj.weight", Kind.LINEAR, not sparse)
+        self.up = w((f, d), "mlp.up_proj.weight", Kind.LINEAR, not sparse)
+        self.down = w((d, f), "mlp.down_proj.weight", Kind.LINEAR, not sparse)
+        moe = cfg.moe
+        self.router = w((moe.experts, d), "mlp.gate.weight", Kind.ROUTER) if sparse else None
+        self.experts = (
+            Experts(
+                ids, precision, "mlp.experts", moe.experts, d, moe.inner, fused=False, activation=jax.nn.silu
+            )
+            if sparse
+            else None
+        )
         self.q_norm = w((hd,), "self_attn.q_norm.weight", Kind.NORM, cfg.qk_norm)
         self.k_norm = w((hd,), "self_attn.k_norm.weight", Kind.NORM, cfg.qk_norm)
         self.q_bias = w((q_out,), "self_attn.q_proj.bias", Kind.BIAS, cfg.qkv_bias)
@@ -89,7 +125,11 @@ class Layer(nnx.Module):
         """→ (the residual stream after this layer, the keys and values it attended with)."""
         q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
         attn = attention(q, k, v, batch, scale=self.cfg.head_dim**-0.5)
-        return by_rows(self._after_attention, row_tile, x, attn), (k, v)
+        if self.experts is None:
+            return by_rows(self._after_attention, row_tile, x, attn), (k, v)
+        x, h, probs = by_rows(self._route, row_tile, x, attn)
+        index, weight = route(probs, self.cfg.moe.top_k, self.cfg.moe.normalize)
+        return x + self.experts(h, index, weight).astype(x.dtype), (k, v)
 
     def _project(self, x, w: nnx.Param, bias: nnx.Param | None, heads: int):
         y = linear(x, w.get_value())
@@ -114,14 +154,21 @@ class Layer(nnx.Module):
         mlp = (self.gate.get_value(), self.up.get_value(), self.down.get_value())
         return x + gated_mlp(_norm(x, self.post_attn_norm, self.cfg), *mlp, jax.nn.silu)
 
+    def _route(self, x, attn):
+        """Row-local, for a layer of experts: the stream after attention, its normed input to the experts,
+        and the router's probabilities [T, experts] f32."""
+        x = x + linear(attn.reshape(x.shape[0], -1), self.o.get_value())
+        h = _norm(x, self.post_attn_norm, self.cfg)
+        return x, h, jax.nn.softmax(linear(h, self.router.get_value(), jnp.float32), axis=-1)
+
 
 class Llama(Decoder):
     Config = Config
 
     def __init__(self, cfg: Config, precision: Precision):
         make_layer = partial(Layer, cfg, precision=precision)
-        same = [0] * cfg.num_layers  # every layer has the same program
-        super().__init__(cfg, precision, make_layer, same, tied=cfg.tie_embeddings, softcap=None)
+        signatures = [cfg.sparse(i) for i in range(cfg.num_layers)]  # experts or a dense MLP
+        super().__init__(cfg, precision, make_layer, signatures, tied=cfg.tie_embeddings, softcap=None)
 
     def _embed(self, tokens):
         return embed(tokens, self.embed.get_value(), self.precision.activation_dtype)

@@ -17,12 +17,17 @@ class Kind(StrEnum):
     EMBED = "embed"  # [vocab, hidden] table, also the tied LM head: quantized per row like a linear
     NORM = "norm"  # norm scales and biases stay f32: tiny, and precision-sensitive
     BIAS = "bias"
+    # A mixture of experts' router [experts, hidden]: small, and it picks the experts, so it stays in the
+    # activation dtype (bf16 at fp8 / int8) rather than move a token to another expert by rounding.
+    ROUTER = "router"
 
 
 def stored_as(kind: Kind, precision: Precision) -> Precision:
     """The form a weight is kept in when the model runs at `precision`."""
     if kind in (Kind.NORM, Kind.BIAS):
         return Precision.FP32
+    if kind is Kind.ROUTER and precision in (Precision.FP8, Precision.INT8):
+        return Precision.BF16
     if kind is Kind.EMBED and precision in (Precision.FP8, Precision.INT8):
         # The embedding doubles as the LM head, which runs only at the few positions read: bf16 costs little
         # time there, and per-row fp8 would move every logit by several percent.
@@ -38,11 +43,11 @@ def weight(
     configuration does not have (present=False) is None.
 
     source: the checkpoint tensor's name, or a tuple of names for the same weight of several layers, stacked
-    along a new leading axis ([len(source), *shape]: models.decoder.Stack scans over it)."""
+    along a new leading axis ([len(source), *shape]: models.decoder.Stack scans over it); tuples of tuples
+    stack twice (a stack of layers' experts, each its own tensor: [layers, experts, *shape])."""
     if not present:
         return None
-    if isinstance(source, tuple):
-        shape = (len(source), *shape)
+    shape = (*stacked_shape(source), *shape)
     form = stored_as(kind, precision)
     if form in (Precision.FP32, Precision.BF16):
         value = jnp.zeros(shape, form.activation_dtype)
@@ -59,16 +64,26 @@ def layer_weight(
     return weight(shape, tuple(f"model.layers.{i}.{name}" for i in ids), kind, precision, present)
 
 
+def stacked_shape(source: str | tuple) -> tuple[int, ...]:
+    """The leading axes a Param's stacked sources add: () for one tensor, (layers,), (layers, experts)."""
+    return (len(source), *stacked_shape(source[0])) if isinstance(source, tuple) else ()
+
+
 def sources(param: nnx.Param) -> tuple[str, ...]:
-    """The checkpoint tensors a Param holds: its one, or one per stacked layer."""
-    return param.source if isinstance(param.source, tuple) else (param.source,)
+    """The checkpoint tensors a Param holds, in the order of its stacked axes."""
+    return tuple(name for name, _ in per_source(param, None))
 
 
 def per_source(param: nnx.Param, value) -> list[tuple[str, object]]:
-    """A Param's value (or one shaped like it) as (checkpoint name, that tensor's part) pairs."""
-    if not isinstance(param.source, tuple):
-        return [(param.source, value)]
-    return [(name, jax.tree.map(partial(_layer, i=i), value)) for i, name in enumerate(param.source)]
+    """A Param's value (or one shaped like it, or None) as (checkpoint name, that tensor's part) pairs."""
+    return _per_source(param.source, value)
+
+
+def _per_source(source: str | tuple, value) -> list[tuple[str, object]]:
+    if not isinstance(source, tuple):
+        return [(source, value)]
+    parts = [None if value is None else jax.tree.map(partial(_layer, i=i), value) for i in range(len(source))]
+    return [pair for name, part in zip(source, parts, strict=True) for pair in _per_source(name, part)]
 
 
 def _layer(a, i: int):

@@ -37,9 +37,9 @@ class SafetensorsFolder:
         file = self.weight_map.get(name)
         if file is None:
             alt = name.replace("model.", "model.language_model.", 1)
-            file, name = self.weight_map.get(alt), alt
-        if file is None:
-            raise KeyError(f"tensor {name!r} not found in {self.folder}")
+            if alt not in self.weight_map:
+                raise KeyError(f"tensor {name!r} (or {alt!r}) not found in {self.folder}")
+            file, name = self.weight_map[alt], alt
         with safe_open(self.folder / file, "numpy") as f:
             if f.get_slice(name).get_dtype() == "F8_E4M3":
                 return _read_float8(self.folder / file, name)

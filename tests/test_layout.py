@@ -35,7 +35,17 @@ QUESTIONS = [
 ]
 
 
-FAMILIES = ["gemma3", "qwen3", "gemma4", "gemma4-e2b", "gemma4-keqv", "qwen3_5", "qwen3_moe"]
+FAMILIES = [
+    "gemma3",
+    "qwen3",
+    "gemma4",
+    "gemma4-e2b",
+    "gemma4-keqv",
+    "qwen3_5",
+    "qwen3_moe",
+    "gemma4-moe",
+    "qwen3_5_moe",
+]
 
 
 def _engine(family: str, precision: str) -> Engine:

@@ -101,11 +101,14 @@ def test_text_decoder_inside_a_multimodal_checkpoint(tmp_path, family, model_typ
     np.testing.assert_array_equal(_hidden(tmp_path), _hidden(tiny))
 
 
-def test_gemma4_moe_is_refused_clearly(tmp_path):
+def test_a_config_whose_tensors_are_missing_names_them(tmp_path):
+    """A dense Gemma 4 checkpoint under a config that says it has experts: the first missing tensor is
+    named, not a shape error deep in a forward pass."""
     config = json.loads((TINY / "gemma4" / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "enable_moe_block": True, "num_experts": 4}))
+    moe = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16}
+    (tmp_path / "config.json").write_text(json.dumps(config | moe))
     shutil.copy(TINY / "gemma4" / "model.safetensors", tmp_path)
-    with pytest.raises(ValueError, match="MoE"):
+    with pytest.raises(KeyError, match=r"tensor 'model\.layers\.0\.(router|experts)\."):
         load_model(str(tmp_path))
 
 

@@ -25,6 +25,8 @@ FAMILIES = [
     "gemma4-keqv",
     "qwen3_5",
     "qwen3_moe",
+    "gemma4-moe",
+    "qwen3_5_moe",
 ]
 
 

@@ -18,6 +18,8 @@ _FAMILIES: dict[str, type[Decoder]] = {
     "gemma4": Gemma4,
     "qwen3_5_text": Qwen3_5,
     "qwen3_5": Qwen3_5,
+    "qwen3_5_moe_text": Qwen3_5,
+    "qwen3_5_moe": Qwen3_5,
     "qwen3": Llama,
     "qwen3_moe": Llama,
     "qwen2": Llama,

@@ -9,13 +9,19 @@ the same pass), and may have a double-width MLP; per-layer input embeddings (E2B
 table plus a projection of the input embedding give every layer a small extra input, gated into the
 residual stream after its MLP; a learned scalar per layer; final logit softcapping.
 
-The MoE variant (enable_moe_block, 26B-A4B) is not supported: loading it is refused with a clear error.
+The MoE variant (`enable_moe_block`, 26B-A4B) runs a mixture of experts beside every layer's dense MLP: the
+router reads the stream before the MLP (a weightless RMSNorm, × its own scale and hidden^-0.5), picks each
+token's top `top_k_experts` of `num_experts`, renormalises their probabilities and multiplies them by a
+learned scale per expert; the experts (GeGLU, fused gate_up tensors) read the stream through their own norm;
+the dense MLP's and the experts' outputs are each normed, summed, and normed again (spinf_jax.models.moe).
 """
 
 import math
 from dataclasses import dataclass
 from functools import partial
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from spinf_jax.models.decoder import Decoder
@@ -32,6 +38,7 @@ from spinf_jax.models.layers import (
     gelu_tanh,
     rms_norm,
 )
+from spinf_jax.models.moe import Experts, route
 from spinf_jax.models.params import Kind, layer_weight, weight
 from spinf_jax.quant import Precision, embed, linear
 
@@ -56,6 +63,9 @@ class Config:
     tie_embeddings: bool
     rms_norm_eps: float = 1e-6
     final_logit_softcapping: float | None = None
+    experts: int = 0  # the MoE variant: experts beside every layer's MLP (0: none)
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -65,10 +75,7 @@ class Config:
     def from_hf(c: dict) -> "Config":
         tied = c.get("tie_word_embeddings", True)
         c = c.get("text_config", c)
-        if c.get("enable_moe_block"):
-            raise ValueError(
-                "Gemma 4 MoE (enable_moe_block, e.g. 26B-A4B) is not supported yet; dense models are"
-            )
+        moe = bool(c.get("enable_moe_block"))
         if c.get("use_bidirectional_attention") == "all" or c.get("attention_bias"):
             raise ValueError("bidirectional Gemma 4 text attention and attention biases are not supported")
         n = c["num_hidden_layers"]
@@ -110,6 +117,9 @@ class Config:
             tie_embeddings=bool(c.get("tie_word_embeddings", tied)),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             final_logit_softcapping=c.get("final_logit_softcapping"),
+            experts=c["num_experts"] if moe else 0,
+            top_k_experts=c["top_k_experts"] if moe else 0,
+            moe_intermediate_size=c["moe_intermediate_size"] if moe else 0,
         )
 
     def kv_source(self, i: int) -> int:
@@ -155,6 +165,17 @@ class Layer(nnx.Module):
         self.pl_gate = w((pl, d), "per_layer_input_gate.weight", Kind.LINEAR, pl > 0)
         self.pl_proj = w((d, pl), "per_layer_projection.weight", Kind.LINEAR, pl > 0)
         self.pl_norm = w((d,), "post_per_layer_input_norm.weight", Kind.NORM, pl > 0)
+        e = cfg.experts
+        self.router = w((e, d), "router.proj.weight", Kind.ROUTER, e > 0)
+        self.router_scale = w((d,), "router.scale", Kind.NORM, e > 0)
+        self.expert_scale = w((e,), "router.per_expert_scale", Kind.NORM, e > 0)
+        self.mlp_out_norm = w((d,), "post_feedforward_layernorm_1.weight", Kind.NORM, e > 0)
+        self.experts_in_norm = w((d,), "pre_feedforward_layernorm_2.weight", Kind.NORM, e > 0)
+        self.experts_out_norm = w((d,), "post_feedforward_layernorm_2.weight", Kind.NORM, e > 0)
+        inner = cfg.moe_intermediate_size
+        self.experts = (
+            Experts(ids, precision, "experts", e, d, inner, fused=True, activation=gelu_tanh) if e else None
+        )
 
     def __call__(self, x, batch: Batch, row_tile: int | None, per_layer, shared_kv):
         """→ (the residual stream after this layer, the keys and values it computed, or None for a KV-shared
@@ -166,8 +187,14 @@ class Layer(nnx.Module):
             k, v = shared_kv
         window = self.cfg.sliding_window if self.sliding else None
         attn = attention(q, k, v, batch, scale=1.0, window=window)
-        rows = (x, attn) if per_layer is None else (x, attn, per_layer)
-        return by_rows(self._after_attention, row_tile, *rows), (k, v) if own else None
+        extra = () if per_layer is None else (per_layer,)
+        if self.experts is None:
+            return by_rows(self._after_attention, row_tile, x, attn, *extra), (k, v) if own else None
+        x, mlp, h, probs = by_rows(self._before_experts, row_tile, x, attn)
+        index, weight = route(probs, self.cfg.top_k_experts, normalize=True)
+        weight = weight * self.expert_scale.get_value()[index]
+        experts = self.experts(h, index, weight).astype(x.dtype)
+        return by_rows(self._after_experts, row_tile, x, mlp, experts, *extra), (k, v) if own else None
 
     def _qkv(self, x, positions):
         """Row-local: queries [T, H, hd] and, unless this layer reads another layer's, keys and values."""
@@ -185,10 +212,35 @@ class Layer(nnx.Module):
 
     def _after_attention(self, x, attn, per_layer=None):
         """Row-local: output projection, MLP, the per-layer input, residuals and the layer scalar."""
-        cfg = self.cfg
-        x = x + _norm(linear(attn.reshape(x.shape[0], -1), self.o.get_value()), self.post_attn_norm, cfg)
+        x = self._attention_out(x, attn)
+        return self._finish(x, self._mlp(x), per_layer)
+
+    def _attention_out(self, x, attn):
+        return x + _norm(
+            linear(attn.reshape(x.shape[0], -1), self.o.get_value()), self.post_attn_norm, self.cfg
+        )
+
+    def _mlp(self, x):
         mlp = (self.gate.get_value(), self.up.get_value(), self.down.get_value())
-        h = gated_mlp(_norm(x, self.pre_mlp_norm, cfg), *mlp, gelu_tanh)
+        return gated_mlp(_norm(x, self.pre_mlp_norm, self.cfg), *mlp, gelu_tanh)
+
+    def _before_experts(self, x, attn):
+        """Row-local, MoE variant: the stream after attention, the dense MLP's normed output, the experts'
+        input and the router's probabilities [T, experts] f32."""
+        cfg = self.cfg
+        x = self._attention_out(x, attn)
+        routed = _norm(x, None, cfg) * self.router_scale.get_value().astype(x.dtype) * cfg.hidden_size**-0.5
+        probs = jax.nn.softmax(linear(routed.astype(x.dtype), self.router.get_value(), jnp.float32), axis=-1)
+        return x, _norm(self._mlp(x), self.mlp_out_norm, cfg), _norm(x, self.experts_in_norm, cfg), probs
+
+    def _after_experts(self, x, mlp, experts, per_layer=None):
+        """Row-local, MoE variant: the experts' output normed and added to the MLP's, then as _finish."""
+        return self._finish(x, mlp + _norm(experts, self.experts_out_norm, self.cfg), per_layer)
+
+    def _finish(self, x, h, per_layer):
+        """Row-local: the feed-forward output h normed into the residual stream, the per-layer input, and
+        the layer scalar."""
+        cfg = self.cfg
         x = x + _norm(h, self.post_mlp_norm, cfg)
         if per_layer is not None:
             h = linear(gelu_tanh(linear(x, self.pl_gate.get_value())) * per_layer, self.pl_proj.get_value())

@@ -11,8 +11,12 @@ Layers of two kinds, three Gated DeltaNet layers to one gated attention layer in
   times sigmoid(gate) before o_proj.
 RMSNorms scale by (1 + w) in f32 (the gated one by w); SwiGLU MLP; no embedding scale; untied head.
 
+The MoE variants (`qwen3_5_moe`) replace every layer's MLP by a mixture of SwiGLU experts (each token's top
+`num_experts_per_tok` of `num_experts`, renormalised) plus a shared expert gated by
+sigmoid(shared_expert_gate) (spinf_jax.models.moe).
+
 Multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text weights under model.language_model.;
-the loader reads them there (checkpoint.py). The MoE variants (qwen3_5_moe) are not supported yet.
+the loader reads them there (checkpoint.py).
 """
 
 from dataclasses import dataclass
@@ -34,11 +38,12 @@ from spinf_jax.models.layers import (
     gated_mlp,
     rms_norm,
 )
+from spinf_jax.models.moe import Experts, route
 from spinf_jax.models.params import Kind, layer_weight
 from spinf_jax.quant import Precision, embed, linear
 
 LINEAR, FULL = "linear_attention", "full_attention"
-MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,10 @@ class Config:
     conv_kernel: int
     tie_embeddings: bool
     rms_norm_eps: float = 1e-6
+    experts: int = 0  # the MoE variants: experts in every layer's MLP (0: a dense MLP)
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -74,6 +83,7 @@ class Config:
         rope = dict(c.get("rope_parameters") or {})
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         partial_rotary = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+        moe = c["model_type"].startswith("qwen3_5_moe")
         layers = c.get("layer_types") or [
             FULL if (i + 1) % c.get("full_attention_interval", 4) == 0 else LINEAR
             for i in range(c["num_hidden_layers"])
@@ -81,7 +91,7 @@ class Config:
         return Config(
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
+            intermediate_size=c.get("intermediate_size", 0),  # MoE variants have no dense MLP
             layer_types=tuple(layers[: c["num_hidden_layers"]]),
             num_heads=c["num_attention_heads"],
             num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
@@ -96,27 +106,58 @@ class Config:
             conv_kernel=c.get("linear_conv_kernel_dim", 4),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            experts=c.get("num_experts", c.get("num_local_experts", 0)) if moe else 0,
+            top_k=c["num_experts_per_tok"] if moe else 0,
+            moe_intermediate_size=c["moe_intermediate_size"] if moe else 0,
+            shared_intermediate_size=c["shared_expert_intermediate_size"] if moe else 0,
         )
 
 
 class _Layer(nnx.Module):
-    """What both kinds of layer hold: the two norms and the MLP (layers `ids`, stacked)."""
+    """What both kinds of layer hold: the two norms and the feed-forward, a dense MLP or (MoE) experts beside
+    a gated shared expert (layers `ids`, stacked)."""
 
     def __init__(self, cfg: Config, ids: tuple[int, ...], precision: Precision):
-        d, f = cfg.hidden_size, cfg.intermediate_size
+        d, e = cfg.hidden_size, cfg.experts
         w = partial(layer_weight, ids, precision)
         self.cfg = cfg
         self.input_norm = w((d,), "input_layernorm.weight", Kind.NORM)
         self.post_attn_norm = w((d,), "post_attention_layernorm.weight", Kind.NORM)
-        self.gate = w((f, d), "mlp.gate_proj.weight", Kind.LINEAR)
-        self.up = w((f, d), "mlp.up_proj.weight", Kind.LINEAR)
-        self.down = w((d, f), "mlp.down_proj.weight", Kind.LINEAR)
+        f = cfg.shared_intermediate_size if e else cfg.intermediate_size
+        mlp = "mlp.shared_expert" if e else "mlp"
+        self.gate = w((f, d), f"{mlp}.gate_proj.weight", Kind.LINEAR)
+        self.up = w((f, d), f"{mlp}.up_proj.weight", Kind.LINEAR)
+        self.down = w((d, f), f"{mlp}.down_proj.weight", Kind.LINEAR)
+        self.shared_gate = w((1, d), "mlp.shared_expert_gate.weight", Kind.ROUTER, e > 0)
+        self.router = w((e, d), "mlp.gate.weight", Kind.ROUTER, e > 0)
+        inner = cfg.moe_intermediate_size
+        self.experts = (
+            Experts(ids, precision, "mlp.experts", e, d, inner, fused=False, activation=jax.nn.silu)
+            if e
+            else None
+        )
 
-    def _after_mixing(self, x, mixed):
-        """Row-local: residual, MLP, residual. mixed: the token mixer's output [T, hidden]."""
-        x = x + mixed
+    def _feed_forward(self, row_tile, mixed, *rows):
+        """The layer's output from `rows` [T, ...]: mixed(*rows) (row-local) is the stream after the token
+        mixer and its residual; then the MLP, or the experts and the shared expert, and their residual."""
+        if self.experts is None:
+            return by_rows(lambda *r: self._mlp(mixed(*r)), row_tile, *rows)
+        x, h, probs, shared = by_rows(lambda *r: self._before_experts(mixed(*r)), row_tile, *rows)
+        index, weight = route(probs, self.cfg.top_k, normalize=True)
+        return x + (self.experts(h, index, weight) + shared).astype(x.dtype)
+
+    def _mlp(self, x):
         mlp = (self.gate.get_value(), self.up.get_value(), self.down.get_value())
         return x + gated_mlp(_norm(x, self.post_attn_norm, self.cfg), *mlp, jax.nn.silu)
+
+    def _before_experts(self, x):
+        """Row-local, MoE: the stream, the experts' input, the router's probabilities [T, experts] f32 and
+        the gated shared expert's output [T, hidden] f32."""
+        h = _norm(x, self.post_attn_norm, self.cfg)
+        probs = jax.nn.softmax(linear(h, self.router.get_value(), jnp.float32), axis=-1)
+        mlp = (self.gate.get_value(), self.up.get_value(), self.down.get_value())
+        shared = gated_mlp(h, *mlp, jax.nn.silu).astype(jnp.float32)
+        return x, h, probs, jax.nn.sigmoid(linear(h, self.shared_gate.get_value(), jnp.float32)) * shared
 
 
 class GatedDeltaLayer(_Layer):
@@ -150,7 +191,7 @@ class GatedDeltaLayer(_Layer):
             row = jnp.where(row >= 0, batch.parent[jnp.maximum(row, 0)], -1)
         q, k, v, g, beta = by_rows(self._gate_inputs, row_tile, jnp.stack(earlier, axis=1), b, a)
         o = tree_chunked(q, k, v, g, beta, batch.span_end, batch.chunks)
-        return by_rows(self._finish, row_tile, x, o, z), None
+        return self._feed_forward(row_tile, self._mixed, x, o, z), None
 
     def _project(self, x):
         """Row-local: the input projections (q, k, v before the convolution [T, 2·key + value], z [T, value],
@@ -177,13 +218,12 @@ class GatedDeltaLayer(_Layer):
         )
         return q * cfg.linear_key_dim**-0.5, k, v, -rate, beta
 
-    def _finish(self, x, o, z):
-        """Row-local: the gated norm of the rule's output [T, heads, value dim], out_proj, then the MLP."""
+    def _mixed(self, x, o, z):
+        """Row-local: the gated norm of the rule's output [T, heads, value dim], out_proj, the residual."""
         cfg, dtype = self.cfg, x.dtype
         normed = rms_norm(o.astype(dtype), self.norm.get_value(), cfg.rms_norm_eps, style="llama")
         gated = normed.astype(jnp.float32) * jax.nn.silu(z.reshape(o.shape).astype(jnp.float32))
-        mixed = linear(gated.astype(dtype).reshape(x.shape[0], -1), self.out.get_value())
-        return self._after_mixing(x, mixed)
+        return x + linear(gated.astype(dtype).reshape(x.shape[0], -1), self.out.get_value())
 
 
 class AttentionLayer(_Layer):
@@ -203,7 +243,7 @@ class AttentionLayer(_Layer):
         """→ (the residual stream after this layer, the keys and values it attended with)."""
         q, gate, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
         attn = attention(q, k, v, batch, scale=self.cfg.head_dim**-0.5)
-        return by_rows(self._finish, row_tile, x, attn, gate), (k, v)
+        return self._feed_forward(row_tile, self._mixed, x, attn, gate), (k, v)
 
     def _qkv(self, x, positions):
         """Row-local: queries [T, heads, head_dim], their output gates, keys and values."""
@@ -219,10 +259,10 @@ class AttentionLayer(_Layer):
         r = self.cfg.rotary_dim
         return jnp.concatenate([apply_rope(x[..., :r], positions, self.cfg.rope), x[..., r:]], axis=-1)
 
-    def _finish(self, x, attn, gate):
-        """Row-local: the gated output projection, then the MLP."""
+    def _mixed(self, x, attn, gate):
+        """Row-local: the gated output projection and the residual."""
         gated = attn * jax.nn.sigmoid(gate)
-        return self._after_mixing(x, linear(gated.reshape(x.shape[0], -1), self.o.get_value()))
+        return x + linear(gated.reshape(x.shape[0], -1), self.o.get_value())
 
 
 class Qwen3_5(Decoder):

@@ -11,8 +11,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from spinf_jax.models.moe import Experts
 from spinf_jax.models.params import Kind, params, per_source
+from spinf_jax.tokenizer import Tokenizer
 
 JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
 
@@ -47,6 +50,81 @@ QWEN3_8B = {
 }  # fmt: skip
 
 
+# Qwen3.5-4B and -9B text configs (the sizes in shared/PEERS-AND-MODELS.md §1.2, read from maxtext's and
+# third-party copies of their config.json: no Qwen3.5 config was reachable here): L L L F x 8, head_dim 256,
+# 16 GDN key heads of 128 serving 32 value heads.
+_QWEN3_5 = {
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "num_hidden_layers": 32, "num_attention_heads": 16,
+    "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+}  # fmt: skip
+QWEN3_5_4B = _QWEN3_5 | {"hidden_size": 2560, "intermediate_size": 9216, "tie_word_embeddings": True}
+QWEN3_5_9B = _QWEN3_5 | {"hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False}
+# Qwen3.5-35B-A3B: 40 layers (L L L F x 10), hidden 2048, 256 experts (top 8) of 512 and a gated shared one.
+QWEN3_5_35B_A3B = _QWEN3_5 | {
+    "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+}  # fmt: skip
+# Gemma 4 26B-A4B (maxtext's gemma4-26b.yml, PEERS-AND-MODELS.md §2): 30 layers, hidden 2816, a dense GeGLU
+# MLP of 2112 beside 128 experts (top 8) of 704; global layers with head_dim 512, 2 kv heads and k = v.
+GEMMA4_26B_A4B = {
+    "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 2816, "intermediate_size": 2112,
+    "num_hidden_layers": 30, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+    "global_head_dim": 512, "num_global_key_value_heads": 2, "attention_k_eq_v": True,
+    "sliding_window": 1024, "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0,
+    "hidden_size_per_layer_input": 0, "max_position_embeddings": 262144,
+    "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704,
+    "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1e6},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+}  # fmt: skip
+# Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 48 layers, 128 experts (top 8) of 768, renormalised.
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "max_position_embeddings": 40960, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+}  # fmt: skip
+# The shapes the engine benchmarks run at (--shape).
+SHAPES = {
+    "gemma-3-12b": GEMMA3_12B,
+    "gemma-4-12b": GEMMA4_12B,
+    "gemma-4-26b-a4b": GEMMA4_26B_A4B,
+    "qwen3-8b": QWEN3_8B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "qwen3.5-4b": QWEN3_5_4B,
+    "qwen3.5-9b": QWEN3_5_9B,
+    "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+}
+
+
+class FoldedTokenizer(Tokenizer):
+    """Gemma 3's tokenizer with ids folded into another vocabulary (no such weights or tokenizer here)."""
+
+    def __init__(self, tok: Tokenizer, vocab: int):
+        super().__init__(tok.backend, tok.bos_id, tok.add_bos)
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [i % self.vocab for i in super().encode(text)]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [[i % self.vocab for i in ids] for ids in super().encode_batch(texts)]
+
+
+def shape_tokenizer(path: str, config: dict) -> Tokenizer:
+    """The Gemma 3 tokenizer file at `path`, its ids folded into the shape's vocabulary when it is smaller:
+    with random weights, which ids a text gets does not change the speed."""
+    import tokenizers
+
+    tok = Tokenizer(tokenizers.Tokenizer.from_file(path), bos_id=2, add_bos=True)
+    return tok if config["vocab_size"] >= 262144 else FoldedTokenizer(tok, config["vocab_size"])
+
+
 class SyntheticCheckpoint:
     """A checkpoint for an abstract decoder's Params with made-up f32 values, handed over one tensor at a time
     like a real one, so the loader's own path (host → device → quantize) is what gets measured."""
@@ -67,6 +145,7 @@ def engine_args(doc: str, extra=None) -> argparse.Namespace:
     script's own."""
     parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--shape", default="gemma-3-12b", choices=sorted(SHAPES), help="the model shape")
     parser.add_argument("--precision", default="fp8")
     parser.add_argument("--buckets", default="4096,16384")
     parser.add_argument("--repeats", type=int, default=3)
@@ -131,8 +210,21 @@ def gemm_peaks() -> dict:
 
 
 def linear_params(decoder) -> int:
-    """Parameters of the decoder layers' linear projections (what model-FLOPs utilisation counts)."""
-    return sum(math.prod(p.get_value().shape) for p in params(decoder.stacks) if p.kind is Kind.LINEAR)
+    """Parameters of the decoder layers' linear projections a token goes through (what model-FLOPs
+    utilisation counts): of a mixture of experts, only the top k of its E experts."""
+    total = 0
+    for module in decoder.stacks:
+        for _, node in nnx.iter_graph(module):
+            if isinstance(node, Experts):
+                share = node.top_k / node.count
+                total -= (1 - share) * sum(math.prod(w.get_value().shape) for w in _expert_params(node))
+    return int(
+        total + sum(math.prod(p.get_value().shape) for p in params(decoder.stacks) if p.kind is Kind.LINEAR)
+    )
+
+
+def _expert_params(experts) -> list:
+    return [w for w in (experts.gate_up, experts.gate, experts.up, experts.down) if w is not None]
 
 
 def report(questions: int, tokens: int, seconds: float, peak_gib: float, params: int, peaks: dict) -> dict:
@@ -150,24 +242,23 @@ def report(questions: int, tokens: int, seconds: float, peak_gib: float, params:
     }
 
 
-def random_engine(args, name: str = "gemma-3-12b-shape-random"):
-    """An Engine at Gemma 3 12B's shape with made-up weights, the real Gemma 3 tokenizer (args.tokenizer),
-    args.precision and args.buckets (and args.row_tile where a script has it and it is set; else the
-    backend's, loader.default_row_tile)."""
-    import tokenizers
-
+def random_engine(args, name: str | None = None):
+    """An Engine at the shape args.shape (Gemma 3 12B's by default) with made-up weights, the Gemma 3
+    tokenizer (args.tokenizer, folded into a smaller vocabulary), args.precision and args.buckets (and
+    args.row_tile where a script has it and it is set; else the backend's, loader.default_row_tile)."""
     from spinf_jax.engine import Engine
     from spinf_jax.loader import Model, load_weights
     from spinf_jax.models import abstract_decoder
     from spinf_jax.packer import Buckets
     from spinf_jax.quant import Precision
-    from spinf_jax.tokenizer import Tokenizer
 
-    decoder = abstract_decoder(GEMMA3_12B, Precision(args.precision))
-    load_weights(decoder, SyntheticCheckpoint(decoder, GEMMA3_12B))
-    tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
+    shape = getattr(args, "shape", "gemma-3-12b")
+    config = SHAPES[shape]
+    decoder = abstract_decoder(config, Precision(args.precision))
+    load_weights(decoder, SyntheticCheckpoint(decoder, config))
     buckets = tuple(int(b) for b in args.buckets.split(","))
-    model = Model(name, decoder, tok, digest="random-0")
+    tok = shape_tokenizer(args.tokenizer, config)
+    model = Model(name or f"{shape}-shape-random", decoder, tok, digest="random-0")
     if getattr(args, "row_tile", None):
         model = dataclasses.replace(model, row_tile=args.row_tile)
     return Engine(model, Buckets(buckets))

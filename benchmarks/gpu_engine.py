@@ -2,9 +2,10 @@
 invariance, and throughput on the seed job. One script, one run; prints a table, ends with one JSON line.
 
 Random weights at the real shape are fine for speed and for invariance (neither depends on the values);
-the tokenizer is Gemma 3's (its vocabulary is the 12B model's). Run on the GPU machine from the repo root:
+the tokenizer is Gemma 3's (its ids folded into a smaller vocabulary: common.shape_tokenizer). Run on the
+GPU machine from the repo root (--shape: Gemma 3 12B by default, or Qwen3.5 4B / 9B, Gemma 4 26B-A4B, ...):
 
-    python3 benchmarks/gpu_engine.py --tokenizer gemma3-tokenizer.json --out $OUT
+    python3 benchmarks/gpu_engine.py --tokenizer gemma3-tokenizer.json --shape qwen3.5-4b --out $OUT
 """
 
 import json
@@ -17,9 +18,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tokenizers
 from common import (
-    GEMMA3_12B,
+    SHAPES,
     SyntheticCheckpoint,
     companions_agree,
     engine_args,
@@ -27,6 +27,7 @@ from common import (
     linear_params,
     seed_job,
     seed_request,
+    shape_tokenizer,
     timed,
 )
 
@@ -37,7 +38,6 @@ from spinf_jax.loader import Model, load_weights
 from spinf_jax.models import abstract_decoder
 from spinf_jax.packer import Buckets, pack
 from spinf_jax.quant import Precision, linear, quantize
-from spinf_jax.tokenizer import Tokenizer
 
 
 def check_kernel(results: dict) -> None:
@@ -102,15 +102,15 @@ def main() -> None:
     check_kernel(results)
     check_fp8(results)
 
-    precision = Precision(args.precision)
+    precision, config = Precision(args.precision), SHAPES[args.shape]
     start = time.perf_counter()
-    decoder = abstract_decoder(GEMMA3_12B, precision)
-    load_weights(decoder, SyntheticCheckpoint(decoder, GEMMA3_12B))
+    decoder = abstract_decoder(config, precision)
+    load_weights(decoder, SyntheticCheckpoint(decoder, config))
     memory = jax.devices()[0].memory_stats() or {}
-    tok = Tokenizer(tokenizers.Tokenizer.from_file(args.tokenizer), bos_id=2, add_bos=True)
-    model = Model("gemma-3-12b-shape-random", decoder, tok, digest="random-0")
+    tok = shape_tokenizer(args.tokenizer, config)
+    model = Model(f"{args.shape}-shape-random", decoder, tok, digest="random-0")
     results["model"] = {
-        "config": "gemma-3-12b text",
+        "config": f"{args.shape} text",
         "precision": precision.value,
         "linear_params": linear_params(decoder),
         "load_seconds": time.perf_counter() - start,
@@ -197,7 +197,7 @@ def main() -> None:
     for k, v in rows:
         print(f"{k:<40} {v}")
     line = json.dumps(results)
-    Path(args.out, "gpu_engine.json").write_text(json.dumps(results, indent=1) + "\n")
+    Path(args.out, f"gpu_engine-{args.shape}.json").write_text(json.dumps(results, indent=1) + "\n")
     print(line)
 
 

@@ -174,7 +174,11 @@ class Layer(nnx.Module):
         self.experts_out_norm = w((d,), "post_feedforward_layernorm_2.weight", Kind.NORM, e > 0)
         inner = cfg.moe_intermediate_size
         self.experts = (
-            Experts(ids, precision, "experts", e, d, inner, fused=True, activation=gelu_tanh) if e else None
+            Experts(
+                ids, precision, "experts", e, cfg.top_k_experts, d, inner, fused=True, activation=gelu_tanh
+            )
+            if e
+            else None
         )
 
     def __call__(self, x, batch: Batch, row_tile: int | None, per_layer, shared_kv):

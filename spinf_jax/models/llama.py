@@ -110,7 +110,15 @@ class Layer(nnx.Module):
         self.router = w((moe.experts, d), "mlp.gate.weight", Kind.ROUTER) if sparse else None
         self.experts = (
             Experts(
-                ids, precision, "mlp.experts", moe.experts, d, moe.inner, fused=False, activation=jax.nn.silu
+                ids,
+                precision,
+                "mlp.experts",
+                moe.experts,
+                moe.top_k,
+                d,
+                moe.inner,
+                fused=False,
+                activation=jax.nn.silu,
             )
             if sparse
             else None

@@ -30,9 +30,9 @@ class Experts(nnx.Module):
     `{prefix}.down_proj` [E, hidden, inner] per layer) or one tensor per expert (Qwen:
     `{prefix}.{e}.gate_proj.weight`, ...)."""
 
-    def __init__(self, ids: tuple[int, ...], precision: Precision, prefix: str, experts: int, hidden: int,
-                 inner: int, *, fused: bool, activation):  # fmt: skip
-        self.count, self.inner, self.activation = experts, inner, activation
+    def __init__(self, ids: tuple[int, ...], precision: Precision, prefix: str, experts: int, top_k: int,
+                 hidden: int, inner: int, *, fused: bool, activation):  # fmt: skip
+        self.count, self.top_k, self.inner, self.activation = experts, top_k, inner, activation
         if fused:
             w = partial(layer_weight, ids, precision)
             self.gate_up = w((experts, 2 * inner, hidden), f"{prefix}.gate_up_proj", Kind.LINEAR)

@@ -132,7 +132,9 @@ class _Layer(nnx.Module):
         self.router = w((e, d), "mlp.gate.weight", Kind.ROUTER, e > 0)
         inner = cfg.moe_intermediate_size
         self.experts = (
-            Experts(ids, precision, "mlp.experts", e, d, inner, fused=False, activation=jax.nn.silu)
+            Experts(
+                ids, precision, "mlp.experts", e, cfg.top_k, d, inner, fused=False, activation=jax.nn.silu
+            )
             if e
             else None
         )

@@ -204,8 +204,12 @@ def checkpoint_digest(path: Path) -> str:
                     h.update(chunk)
             known[key] = h.hexdigest()
         total.update(f"{f.name}:{known[key]}".encode())
+    # Written whole under another name, then renamed: another process reading it (a server starting, a test
+    # worker) sees the old file or the new one, never a half-written one (a read of an empty file failed).
     _DIGESTS.parent.mkdir(parents=True, exist_ok=True)
-    _DIGESTS.write_text(json.dumps(known))
+    partial_file = _DIGESTS.with_name(f"{_DIGESTS.name}.{os.getpid()}.tmp")
+    partial_file.write_text(json.dumps(known))
+    partial_file.replace(_DIGESTS)
     return total.hexdigest()
 
 

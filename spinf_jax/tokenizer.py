@@ -56,14 +56,17 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The text of a conversation as the model's chat template writes it, ending where the assistant's
-        reply starts (add_generation_prompt). Rendered in Jinja's sandbox: a template is data from the
-        checkpoint, not code we trust."""
+        reply starts (add_generation_prompt), with thinking off where the template offers it
+        (enable_thinking=False: Qwen3 and Qwen3.5 then write an empty think block, and the reply's first token
+        is the answer). Rendered in Jinja's sandbox: a template is data from the checkpoint, not code we
+        trust."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
         token = self.backend.id_to_token
         return _compile_template(self.chat_template).render(
             messages=messages,
             add_generation_prompt=True,
+            enable_thinking=False,
             bos_token=token(self.bos_id) if self.bos_id is not None else "",
             eos_token=token(self.eos_id) if self.eos_id is not None else "",
         )

@@ -263,3 +263,18 @@ def test_prompts_and_letters_match_transformers(smollm):
         np.testing.assert_allclose(
             r["option_logits"], case["letter_logprobs"], atol=2e-4, err_msg=case["name"]
         )
+
+
+def test_a_thinking_template_is_asked_for_its_answer_not_its_thoughts(smollm_engine):
+    """Templates that think by default (Qwen3, Qwen3.5) are rendered with thinking off: the prompt ends with
+    the empty think block they then write, so the next token is the lettered answer. (Whether a letter stays
+    one token of its own after it is the tokenizer's business: Format checks that, and refuses otherwise.)"""
+    tokenizer = copy.copy(smollm_engine.model.tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+        "{% else %}<think>\n{% endif %}{% endif %}"
+    )
+    text = tokenizer.render_chat([{"role": "user", "content": "Which team?"}])
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

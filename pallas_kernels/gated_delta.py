@@ -25,7 +25,10 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
-from spinf_jax.layout import KEEP_SLOT, KEEP_TRUNK, START_RUNNING, START_SLOT, START_TRUNK
+# A tree chunk's table row (spinf_jax.layout.Tree.recurrent_chunks): where it starts from, and which state
+# it keeps for later chunks; KEEP_EXPORT + i hands its last state to the decoding of the pass's slot i.
+START_ZERO, START_RUNNING, START_TRUNK, START_SLOT = range(4)
+KEEP_NONE, KEEP_TRUNK, KEEP_SLOT, KEEP_EXPORT = range(4)
 
 EXACT = jax.lax.Precision.HIGHEST
 
@@ -39,16 +42,18 @@ def recurrent(
     beta: jax.Array,  # [T, H]
     state: jax.Array,  # [H, Dk, Dv] f32
 ) -> tuple[jax.Array, jax.Array]:  # o [T, H, Dv] f32, the last state [H, Dk, Dv]
-    def step(s, token):
-        q_t, k_t, v_t, g_t, b_t = token
-        s = s * jnp.exp(g_t)[:, None, None]
-        predicted = jnp.einsum("hkv,hk->hv", s, k_t, precision=EXACT)
-        s = s + jnp.einsum("hk,hv->hkv", k_t, b_t[:, None] * (v_t - predicted), precision=EXACT)
-        return s, jnp.einsum("hkv,hk->hv", s, q_t, precision=EXACT)
-
     inputs = [x.astype(jnp.float32) for x in (q, k, v, g, beta)]
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), inputs)
+    state, o = jax.lax.scan(lambda s, x: token(s, *x), state.astype(jnp.float32), inputs)
     return o, state
+
+
+def token(state, q, k, v, g, beta) -> tuple[jax.Array, jax.Array]:
+    """One token of the rule: state [H, Dk, Dv] f32, q, k [H, Dk], v [H, Dv], g, beta [H] → (the state after
+    it, o [H, Dv]). A decode step runs this for each of its hypotheses."""
+    state = state * jnp.exp(g)[:, None, None]
+    predicted = jnp.einsum("hkv,hk->hv", state, k, precision=EXACT)
+    state = state + jnp.einsum("hk,hv->hkv", k, beta[:, None] * (v - predicted), precision=EXACT)
+    return state, jnp.einsum("hkv,hk->hv", state, q, precision=EXACT)
 
 
 @partial(jax.jit, static_argnames=("chunk",))
@@ -72,12 +77,13 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64) -> tuple[jax.Array, jax
     return o.reshape(-1, *o.shape[2:])[:t], state
 
 
-@partial(jax.jit, static_argnames=("chunk",))
-def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64) -> jax.Array:
+@partial(jax.jit, static_argnames=("chunk", "exports"))
+def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports: int = 0):
     """The gated delta rule over a packed tree pass (models.layers.TreeBatch): q, k, v, g, beta as in
     `recurrent` for every row [T, ...], each row's span_end [T], and the pass's recurrent chunks [N, 4]
-    (spinf_jax.layout.Tree.recurrent_chunks: first row, rows, where it starts, which state it keeps). → o
-    [T, H, Dv] f32.
+    (spinf_jax.layout.Tree.recurrent_chunks: first row, rows, where it starts, which state it keeps). → (o
+    [T, H, Dv] f32, the states the chunks keeping KEEP_EXPORT + i left, [exports, H, Dk, Dv]: the
+    extraction slots', which decoding starts from).
 
     A chunk's rows are a run of the layout whose paths leave it through one row (the trunk's last, or a
     template's last): the chunk runs from that row's state, with "earlier on the path" in place of "earlier"
@@ -95,7 +101,7 @@ def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64) -> jax.
     ends = jnp.pad(span_end, (0, chunk))
 
     def one(c, carry):
-        out, running, trunk, slot = carry
+        out, running, trunk, slot, exported = carry
         first, n, start, keep = chunks[c, 0], chunks[c, 1], chunks[c, 2], chunks[c, 3]
         inside = rows < n
         take = partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=chunk)
@@ -112,12 +118,16 @@ def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64) -> jax.
         out = jax.lax.dynamic_update_slice_in_dim(out, o, first, axis=0)
         trunk = jnp.where(keep == KEEP_TRUNK, s, trunk)
         slot = jnp.where(keep == KEEP_SLOT, s, slot)
-        return out, s, trunk, slot
+        if exports:  # written where the chunk is a slot's, else left as it was
+            at = jnp.clip(keep - KEEP_EXPORT, 0, exports - 1)
+            exported = exported.at[at].set(jnp.where(keep >= KEEP_EXPORT, s, exported[at]))
+        return out, s, trunk, slot, exported
 
     state = jnp.zeros((h, k.shape[-1], v.shape[-1]), jnp.float32)
     out = jnp.zeros(v.shape, jnp.float32)
-    out, *_ = jax.lax.fori_loop(0, chunks.shape[0], one, (out, state, state, state))
-    return out[:t]
+    exported = jnp.zeros((exports, *state.shape), jnp.float32)
+    out, *_, exported = jax.lax.fori_loop(0, chunks.shape[0], one, (out, state, state, state, exported))
+    return out[:t], exported
 
 
 def _chunk(q, k, v, g, beta, path, s0, last) -> tuple[jax.Array, jax.Array]:

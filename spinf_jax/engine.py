@@ -37,12 +37,12 @@ from spinf_jax.layout import (
 )
 from spinf_jax.loader import DEFAULT_MODEL, Model, load_model
 from spinf_jax.models.decoder import split
-from spinf_jax.models.layers import DecodeBatch, TreeBatch, by_rows
+from spinf_jax.models.layers import DecodeBatch, RecurrentState, TreeBatch, by_rows
 from spinf_jax.models.params import nbytes
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
 from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.progress import Progress, Steps
-from spinf_jax.scoring import RECURRENT_EXTRACTION, Scorer
+from spinf_jax.scoring import Scorer
 
 ENGINE_VERSION = "6"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
 # Passes launched and not yet read back, at most (Engine.launch): the device runs one while the host launches
@@ -165,20 +165,22 @@ def _decode_step(weights, cache, history, masks, batch_arrays, kind, closing_fir
     """One decode step over [G × W] rows (layers.DecodeBatch): each row's candidates and forced-token log-prob
     (_choose), and the history with this step's keys and values written at column `step`."""
     decoder = nnx.merge(graphdef, weights)
-    tokens, positions, tree_start, trunk_end, branch_start, slot_end, path, step = batch_arrays
+    tokens, positions, tree_start, trunk_end, branch_start, slot_end, export, path, step = batch_arrays
     g = tree_start.shape[0]
     width = tokens.shape[0] // g
     batch = DecodeBatch(
-        tokens, positions, tree_start, trunk_end, branch_start, slot_end, path, step, cache, history,
+        tokens, positions, tree_start, trunk_end, branch_start, slot_end, export, path, step, cache, history,
         block=block, group_tile=tile // width,
     )  # fmt: skip
     hidden, kv = decoder.forward(batch, tile)
 
-    def write(column, new):  # [repeats, G, S, W, K, D], [repeats, R, K, D]
+    def write(column, new):  # [repeats, G, S, W, K, D], [repeats, R, K, D]; a recurrent layer's: replaced
+        if isinstance(new, RecurrentState):
+            return new
         new = new.reshape(new.shape[0], g, width, *new.shape[2:])
         return jax.lax.dynamic_update_index_in_dim(column, new, step, 2)
 
-    history = jax.tree.map(write, history, kv)
+    history = jax.tree.map(write, history, kv, is_leaf=lambda x: isinstance(x, RecurrentState))
     return (*_choose(decoder, hidden, kind, closing_first, ends, forced, masks, tile), history)
 
 
@@ -367,16 +369,9 @@ class Engine:
         return replace(self.buckets, sizes=tuple(s for s in self.buckets.sizes if s >= size))
 
     def _pass_args(self, p: Pass) -> tuple:
-        arrays = (
-            p.tokens,
-            p.positions,
-            p.span_end,
-            p.trunk_end,
-            p.branch_start,
-            p.tree_start_block,
-            p.parent,
-        )
-        batch = TreeBatch(*map(jnp.asarray, arrays), jnp.asarray(p.chunks))
+        arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)
+        recurrent = (p.parent, p.chunks, p.export_rows)
+        batch = TreeBatch(*map(jnp.asarray, arrays), *map(jnp.asarray, recurrent))
         return self._weights, batch, (p.read_rows, p.target_read, p.target_token)
 
     def _launch_pass(self, p: Pass) -> tuple:
@@ -426,8 +421,6 @@ class Engine:
         waiting for them (JAX dispatches asynchronously), so the caller can prepare the next batch while
         they run; collect waits for their results. Passes with extraction slots run here to the end: their
         decode steps need each step's candidates on the host."""
-        if self.model.decoder.recurrent and any(tree.slots for tree in trees):
-            raise ValueError(RECURRENT_EXTRACTION)
         launched = Launched(trees, [None] * len(trees))
         for p in pack(trees, self.buckets):
             start = time.perf_counter()
@@ -497,7 +490,11 @@ class Engine:
                 group = [(slots[i], searches[i]) for i in chosen[k : k + most]]
                 rows = [reads[t] + slot.read for (t, slot), _ in group]
                 self._start([s for _, s in group], hidden, rows)
-                places = [self._place(trees[t], slot, offsets[t]) for (t, slot), _ in group]
+                # The pass numbered its slots in this order (packer: recurrent states it hands over).
+                places = [
+                    (*self._place(trees[t], slot, offsets[t]), i)
+                    for i, ((t, slot), _) in zip(chosen[k : k + most], group, strict=True)
+                ]
                 self._run_searches([s for _, s in group], places, cache, width)
         for (t, _), search in zip(slots, searches, strict=True):
             out[t].answers.append(search.answers())
@@ -531,7 +528,7 @@ class Engine:
     @staticmethod
     def _place(tree: Tree, slot, offset: int) -> tuple[int, int, int, int, int]:
         """A slot's rows in its pass: tree start, trunk end, template start and end, and the position of
-        the first decoded token."""
+        the first decoded token (then _decode adds the slot's index among the pass's)."""
         return (
             offset,
             offset + tree.trunk_tokens,
@@ -544,10 +541,17 @@ class Engine:
         """Decode steps over one group of slots of one width until every search is done."""
         n = self._rows(len(searches) * width)
         g, steps = n // width, HISTORY_STEPS[width]
-        # [repeats, T, K, D] keys or values of the pass → [repeats, G, S, W, K, D] of the steps
-        history = jax.tree.map(lambda a: jnp.zeros((len(a), g, steps, width, *a.shape[2:]), a.dtype), cache)
-        groups = np.zeros((4, g), np.int32)
-        groups[:, : len(places)] = np.array([p[:4] for p in places]).T
+
+        # [repeats, T, K, D] keys or values of the pass → [repeats, G, S, W, K, D] of the steps; a recurrent
+        # layer's states at the pass's slots [repeats, X, ...] → per hypothesis [repeats, G, W, ...]
+        def steps_of(a):
+            if isinstance(a, RecurrentState):
+                return jax.tree.map(lambda b: jnp.zeros((len(b), g, width, *b.shape[2:]), b.dtype), a)
+            return jnp.zeros((len(a), g, steps, width, *a.shape[2:]), a.dtype)
+
+        history = jax.tree.map(steps_of, cache, is_leaf=lambda a: isinstance(a, RecurrentState))
+        groups = np.zeros((5, g), np.int32)
+        groups[:, : len(places)] = np.array([(*p[:4], p[5]) for p in places]).T
         kind, closing_first, ends = self._row_rules([s.extract for s in searches], n, width)
         for step in range(steps):
             live = [i for i, s in enumerate(searches) if not s.done]

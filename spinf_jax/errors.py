@@ -31,11 +31,7 @@ CODES: dict[str, tuple[int, str]] = {
     "unknown_slot": (400, "a {...} that is neither a slot ({?}, {*}, {n}, {$}) nor a placeholder name"),
     "closing_too_long": (400, "an extraction slot's closing text of more than 16 tokens"),
     "out_of_range": (400, "max_answers (1-8) or max_tokens (1-32 searched, 1-128 generated) out of range"),
-    "extraction_unsupported": (
-        400,
-        "a {n} or {$} slot on a model whose tokenizer has no digit tokens, or any slot on a model with "
-        "recurrent layers (Qwen3.5)",
-    ),
+    "extraction_unsupported": (400, "a {n} or {$} slot on a model whose tokenizer has no digit tokens"),
     # Decisions (SPEC section 5)
     "option_count": (400, "a decision with fewer than 2 or more than 16 options"),
     "duplicate_option_id": (400, "two options of a decision with one id"),

@@ -23,15 +23,23 @@ between options with a common prefix (" New York" and " New Jersey" share " New"
 import functools
 from dataclasses import dataclass, field
 
+from pallas_kernels.gated_delta import (
+    KEEP_EXPORT,
+    KEEP_NONE,
+    KEEP_SLOT,
+    KEEP_TRUNK,
+    START_RUNNING,
+    START_SLOT,
+    START_TRUNK,
+    START_ZERO,
+)
+
 SEARCH_WIDTH = 8  # hypotheses a searched slot keeps per step (so at most 8 answers)
 MAX_ANSWER_TOKENS = 32  # a searched answer's tokens
 MAX_GENERATED_TOKENS = 128  # a generated answer's tokens
 MAX_CLOSING_TOKENS = 16
 # Rows a recurrent layer computes at once from one state (the chunked gated delta rule's chunk).
 RECURRENT_CHUNK = 64
-# Where a recurrent chunk starts from, and which state it keeps for later chunks (gated_delta.tree_chunked).
-START_ZERO, START_RUNNING, START_TRUNK, START_SLOT = range(4)
-KEEP_NONE, KEEP_TRUNK, KEEP_SLOT = range(3)
 
 
 @dataclass(frozen=True)
@@ -81,8 +89,9 @@ class Tree:
     branch_start: list[int] = field(default_factory=list)
     parent: list[int] = field(default_factory=list)  # the row before each row on its path (-1: none)
     trunk_tokens: int = 0
-    # Per question: (its first row, its option trie's first row, the row after it, its options).
-    branches: list[tuple[int, int, int, tuple]] = field(default_factory=list)
+    # Per question: (its first row, its option trie's first row, the row after it, its options, whether it
+    # is an extraction slot).
+    branches: list[tuple[int, int, int, tuple, bool]] = field(default_factory=list)
     slots: list[SlotRow] = field(default_factory=list)
     _reads: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # row → read index
     _target_index: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
@@ -111,13 +120,16 @@ class Tree:
 
     def recurrent_chunks(self) -> list[tuple[int, int, int, int]]:
         """The tree as recurrent layers run it: (first row, rows, where it starts: START_*, the state it
-        keeps: KEEP_*) per chunk, in the order they run. Raises ValueError where one option subtree is longer
-        than a chunk."""
+        keeps: KEEP_*) per chunk, in the order they run. An extraction slot's template keeps KEEP_EXPORT (the
+        packer numbers the pass's slots); with an empty template, a chunk of no rows hands on the trunk's
+        state. Raises ValueError where one option subtree is longer than a chunk."""
         out = _chain(0, self.trunk_tokens, START_ZERO, KEEP_TRUNK)
         entry = START_TRUNK if self.trunk_tokens else START_ZERO
-        for first, trie, end, option_ids in self.branches:
-            keep = KEEP_SLOT if end > trie else KEEP_NONE
-            out += _chain(first, trie, entry, keep)
+        for first, trie, end, option_ids, slot in self.branches:
+            if slot:
+                out += _chain(first, trie, entry, KEEP_EXPORT) or [(first, 0, entry, KEEP_EXPORT)]
+                continue
+            out += _chain(first, trie, entry, KEEP_SLOT if end > trie else KEEP_NONE)
             start = START_SLOT if trie > first else entry
             out += [(trie + a, n, start, KEEP_NONE) for a, n in _trie_groups(option_ids)]
         return out
@@ -157,7 +169,8 @@ def build_tree(prefix: list[int], content_ids: list[int], questions: list[Questi
         else:
             _add_option_trie(tree, q.option_ids, slot_row, depth)
         tree.branch_start[start:] = [start] * (len(tree.tokens) - start)
-        tree.branches.append((start, start + len(q.template_ids), len(tree.tokens), q.option_ids))
+        slot = q.extract is not None
+        tree.branches.append((start, start + len(q.template_ids), len(tree.tokens), q.option_ids, slot))
         # Template tokens are one chain; its span (and the trie below it) ends here.
         tree.span_end[start : start + len(q.template_ids)] = [len(tree.tokens)] * len(q.template_ids)
     tree.span_end[: tree.trunk_tokens] = [len(tree.tokens)] * tree.trunk_tokens
@@ -220,7 +233,8 @@ def _trie(option_ids: tuple[tuple[int, ...], ...]) -> tuple[tuple, tuple, tuple,
 
 def question_chunks(q: QuestionKey) -> int:
     """The recurrent chunks a question adds to its tree (Tree.recurrent_chunks)."""
-    return -(-len(q.template_ids) // RECURRENT_CHUNK) + len(_trie_groups(tuple(q.option_ids)))
+    template = -(-len(q.template_ids) // RECURRENT_CHUNK)
+    return max(1, template) if q.extract is not None else template + len(_trie_groups(tuple(q.option_ids)))
 
 
 def _chain(first: int, end: int, start: int, keep: int) -> list[tuple[int, int, int, int]]:

@@ -11,7 +11,15 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from spinf_jax.layout import RECURRENT_CHUNK, QuestionKey, Tree, build_tree, question_chunks, read_tree
+from spinf_jax.layout import (
+    KEEP_EXPORT,
+    RECURRENT_CHUNK,
+    QuestionKey,
+    Tree,
+    build_tree,
+    question_chunks,
+    read_tree,
+)
 
 READ_CHUNK = 128
 # A pass's read capacity is two READ_CHUNKs at least, and its targets fill two of the engine's row tiles at
@@ -60,6 +68,9 @@ class Buckets:
     # or not: the seed job's articles take one per ~45 rows, the moderation pack's trees one per ~16.
     recurrent: bool = False
     rows_per_chunk: int = 16
+    # Extraction slots a pass of such a model holds: each hands its recurrent layers' states at its slot row
+    # to decoding ([slots, heads, key dim, value dim] f32 per layer: 2 MiB a layer at the 4B shape).
+    max_slots: int = 32
 
     def __post_init__(self):
         if any(s % self.block or s % READ_CHUNK for s in self.sizes) or list(self.sizes) != sorted(
@@ -101,12 +112,17 @@ class Buckets:
     def aligned(self, tokens: int) -> int:
         return -(-tokens // self.block) * self.block
 
-    def fits(self, size: int, tokens: int, reads: int, targets: int, chunks: int = 0) -> bool:
+    def max_exports(self, size: int) -> int:
+        """Recurrent states a pass with extraction slots hands to decoding: one per slot."""
+        return self.max_slots if self.recurrent else 0
+
+    def fits(self, size: int, tokens: int, reads: int, targets: int, chunks: int = 0, slots: int = 0) -> bool:
         return (
             tokens <= size
             and reads <= self.max_reads(size)
             and targets <= self.max_targets(size)
             and chunks <= self.max_chunks(size)
+            and (not self.recurrent or slots <= self.max_exports(size))
         )
 
 
@@ -124,6 +140,7 @@ class Pass:
         np.ndarray
     )  # [size] the row before each row on its path (-1: none); empty without recurrent layers
     chunks: np.ndarray  # [max_chunks, 4] recurrent chunks (Tree.recurrent_chunks), padded with empty ones
+    export_rows: np.ndarray  # [max_exports] each slot's row, in slot order (-1: none); empty without slots
     read_rows: np.ndarray  # [max_reads] rows of the pass (padding reads row 0)
     reads: int  # how many of read_rows are the trees' (the rest is padding)
     target_read: np.ndarray  # [max_targets] index into read_rows
@@ -133,9 +150,9 @@ class Pass:
     row_offset: list[int]  # per tree: its first row
 
 
-def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int, int]:
+def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int, int, int]:
     chunks = len(tree.recurrent_chunks()) if buckets.recurrent else 0
-    return buckets.aligned(len(tree)), len(tree.read_rows), len(tree.targets), chunks
+    return buckets.aligned(len(tree)), len(tree.read_rows), len(tree.targets), chunks, len(tree.slots)
 
 
 def content_trees(
@@ -145,7 +162,7 @@ def content_trees(
     largest bucket. Returns (tree, index of its first question). Depends on the content alone."""
     trunk = buckets.aligned(len(prefix) + len(content_ids))
     trunk_chunks = -(-(len(prefix) + len(content_ids)) // RECURRENT_CHUNK) if buckets.recurrent else 0
-    groups, current, tokens, reads, targets, chunks = [], [], 0, 0, 0, trunk_chunks
+    groups, current, tokens, reads, targets, chunks, slots = [], [], 0, 0, 0, trunk_chunks, 0
     for q in questions:
         nodes = len({ids[:j] for ids in q.option_ids for j in range(1, len(ids))})
         q_tokens, q_reads = len(q.template_ids) + nodes, 1 + nodes
@@ -157,12 +174,13 @@ def content_trees(
             reads + q_reads,
             targets + q_targets,
             chunks + q_chunks,
+            slots + (q.extract is not None),
         ):
             groups.append(current)
-            current, tokens, reads, targets, chunks = [], 0, 0, 0, trunk_chunks
+            current, tokens, reads, targets, chunks, slots = [], 0, 0, 0, trunk_chunks, 0
         current.append(q)
         tokens, reads, targets = tokens + q_tokens, reads + q_reads, targets + q_targets
-        chunks += q_chunks
+        chunks, slots = chunks + q_chunks, slots + (q.extract is not None)
     groups.append(current)
     out, first = [], 0
     for group in groups:
@@ -202,12 +220,14 @@ def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
     best = [0] + [math.inf] * len(trees)  # best[i]: the cheapest passes for trees[:i]
     start_of = [0] * (len(trees) + 1)  # where the last pass of best[i] starts
     for end in range(1, len(trees) + 1):
-        tokens = reads = targets = chunks = bucket = 0
+        tokens = reads = targets = chunks = slots = bucket = 0
         for start in range(end - 1, -1, -1):  # the last pass holds trees[start:end]
-            more_tokens, more_reads, more_targets, more_chunks = costs[start]
+            more_tokens, more_reads, more_targets, more_chunks, more_slots = costs[start]
             tokens, reads, targets = tokens + more_tokens, reads + more_reads, targets + more_targets
-            chunks += more_chunks
-            while bucket < len(sizes) and not buckets.fits(sizes[bucket], tokens, reads, targets, chunks):
+            chunks, slots = chunks + more_chunks, slots + more_slots
+            while bucket < len(sizes) and not buckets.fits(
+                sizes[bucket], tokens, reads, targets, chunks, slots
+            ):
                 bucket += 1  # the pass only grows as it starts earlier: its bucket never shrinks
             if bucket == len(sizes):
                 break
@@ -223,13 +243,11 @@ def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
     return [_lay_out(list(group), trees, _used(group, costs), buckets) for group in reversed(groups)]
 
 
-def _used(group: range, costs: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
+def _used(group: range, costs: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(sum(column) for column in zip(*(costs[i] for i in group), strict=True))
 
 
-def _lay_out(
-    tree_ids: list[int], trees: list[Tree], used: tuple[int, int, int, int], buckets: Buckets
-) -> Pass:
+def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buckets: Buckets) -> Pass:
     size = next(s for s in buckets.sizes if buckets.fits(s, *used))
     block = buckets.block
     tokens = np.zeros(size, np.int32)
@@ -240,7 +258,8 @@ def _lay_out(
     tree_start_block = np.arange(size // block, dtype=np.int32)
     parent = np.full(size if buckets.recurrent else 0, -1, np.int32)
     chunks = _empty_chunks(buckets.max_chunks(size), size)
-    n_chunks = 0
+    export_rows = np.full(buckets.max_exports(size) if used[4] else 0, -1, np.int32)
+    n_chunks = n_exports = 0
     read_rows = np.zeros(buckets.max_reads(size), np.int32)
     target_read = np.zeros(buckets.max_targets(size), np.int32)
     target_token = np.zeros(buckets.max_targets(size), np.int32)
@@ -256,12 +275,14 @@ def _lay_out(
         first, end = offset // block, buckets.aligned(offset + n) // block
         tree_start_block[first:end] = first
         if buckets.recurrent:
-            parent[offset : offset + n] = np.asarray(tree.parent) + np.where(
-                np.asarray(tree.parent) < 0, 0, offset
-            )
-            tree_chunks = np.asarray(tree.recurrent_chunks(), np.int32).reshape(-1, 4)
-            chunks[n_chunks : n_chunks + len(tree_chunks)] = tree_chunks + [offset, 0, 0, 0]
-            n_chunks += len(tree_chunks)
+            parents = np.asarray(tree.parent)
+            parent[offset : offset + n] = np.where(parents < 0, -1, parents + offset)
+            tree_chunks = np.asarray(tree.recurrent_chunks(), np.int32).reshape(-1, 4) + [offset, 0, 0, 0]
+            exports = tree_chunks[:, 3] == KEEP_EXPORT  # the slots' templates, in slot order: number them
+            tree_chunks[exports, 3] += n_exports + np.arange(exports.sum())
+            export_rows[n_exports : n_exports + len(tree.slots)] = [offset + slot.row for slot in tree.slots]
+            chunks[n_chunks : n_chunks + len(tree_chunks)] = tree_chunks
+            n_chunks, n_exports = n_chunks + len(tree_chunks), n_exports + len(tree.slots)
         read_rows[n_reads : n_reads + len(tree.read_rows)] = np.asarray(tree.read_rows, np.int32) + offset
         if tree.targets:
             reads, toks = zip(*tree.targets, strict=True)
@@ -284,6 +305,7 @@ def _lay_out(
         tree_start_block,
         parent,
         chunks,
+        export_rows,
         read_rows,
         n_reads,
         target_read,

@@ -29,11 +29,6 @@ from spinf_jax.layout import Extract, QuestionKey, Tree, build_tree
 from spinf_jax.packer import content_trees
 from spinf_jax.packs import rules
 
-RECURRENT_EXTRACTION = (
-    "extraction slots are not supported yet on models with recurrent layers (Qwen3.5): decoding would carry "
-    "each answer's recurrent state; ask with options instead"
-)
-
 if TYPE_CHECKING:
     from spinf_jax.engine import Engine, Scored
     from spinf_jax.packs.compiled import CompiledPack
@@ -101,8 +96,6 @@ class Scorer:
 
         def read(content_ids, queries, param) -> list[Tree]:
             keys = [q.key for query in queries for q in query.questions]
-            if self.engine.model.decoder.recurrent and any(k.extract for k in keys):
-                raise ScoringError("extraction_unsupported", RECURRENT_EXTRACTION, param)
             try:
                 chunks = content_trees(prefix, list(content_ids), keys, self.engine.buckets)
             except ValueError as e:

@@ -37,7 +37,7 @@ def _engine(family: str, precision: str = "fp32") -> Engine:
     return engines.engine(family, precision, _buckets(1, 2).sizes, 64)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3", "gemma4-e2b"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen3", "gemma4-e2b", "qwen3_5"])
 def tiny(request) -> Engine:
     return _engine(request.param)
 
@@ -57,12 +57,16 @@ def test_decoded_answers_score_like_the_same_tokens_as_options(tiny):
     np.testing.assert_allclose(check.option_logprobs(1), [generated.logprob], atol=3e-5)
 
 
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
-def test_answers_bit_identical_whatever_the_companions(precision):
+@pytest.mark.parametrize(
+    "family, precision",
+    [("gemma3", "fp32"), ("qwen3_5", "fp32"), pytest.param("gemma3", "bf16", marks=pytest.mark.slow)],
+)
+def test_answers_bit_identical_whatever_the_companions(family, precision):
     """Alone, with other questions (options, other slots, in other orders), packed after other contents,
     and in another bucket: the same answers, bit for bit. And a {?} question's scores do not change when an
-    extraction slot joins it (the pass then runs the program that also returns keys and values)."""
-    engine = _engine("gemma3", precision)
+    extraction slot joins it (the pass then runs the program that also returns keys and values, and on
+    Qwen3.5 the recurrent states at the slots)."""
+    engine = _engine(family, precision)
     # Only the larger of the engine's buckets: a content alone goes in the smaller one (and any bucket's
     # programs, compiled once, are the same for every engine of the model).
     other_bucket = Engine(engine.model, buckets=_buckets(2))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gated_delta import chunked, recurrent, tree_chunked
-from spinf_jax.layout import QuestionKey, build_tree
+from spinf_jax.layout import Extract, QuestionKey, build_tree
 from spinf_jax.packer import Buckets, pack
 
 
@@ -64,18 +64,22 @@ def test_the_recurrence_is_not_vacuous():
 
 def test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path():
     """Two trees in one pass (a trunk over a chunk, a template over a chunk, option tries with shared
-    prefixes and forks, an empty template, a question on empty content): every row's output is the
-    recurrence from zero along its own path, the rows before it that it descends from."""
+    prefixes and forks, an empty template, a question on empty content, extraction slots): every row's
+    output is the recurrence from zero along its own path, the rows before it that it descends from, and
+    the state handed to each slot's decoding is the recurrence's at the slot row."""
     questions = [
         QuestionKey((11, 12, 13), ((40,), (41,))),
         QuestionKey((14,) * 70, ((50, 51, 52), (50, 51, 53), (50, 60), (70,))),
         QuestionKey((), ((7, 8), (9,))),
         QuestionKey((15, 16), ((60, 61, 62), (60, 63, 64), (65, 66))),  # a trie that forks twice
+        QuestionKey((17, 18, 19), extract=Extract()),
+        QuestionKey((), extract=Extract(generate=True)),  # decodes from the trunk's last row
     ]
     trees = [build_tree([2], list(range(5, 75)), questions), build_tree([], [], questions[1:2])]
     [p] = pack(trees, Buckets((512,), block=32, recurrent=True))
     q, k, v, g, beta, _ = _inputs(5, p.size)
-    o = tree_chunked(q, k, v, g, beta, jnp.asarray(p.span_end), jnp.asarray(p.chunks))
+    slots = len(p.export_rows)
+    o, states = tree_chunked(q, k, v, g, beta, jnp.asarray(p.span_end), jnp.asarray(p.chunks), exports=slots)
     paths = []
     for offset, tree in zip(p.row_offset, trees, strict=True):
         for row in range(len(tree)):
@@ -88,9 +92,14 @@ def test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path():
     padded = np.array([path + [p.size - 1] * (longest - len(path)) for path in paths])
     zero_pad = [x.at[-1].set(0) for x in (k, g, beta)]
     follow = jax.vmap(lambda rows: recurrent(q[rows], *(x[rows] for x in (zero_pad[0], v, *zero_pad[1:])),
-                                             jnp.zeros((2, 16, 8)))[0])  # fmt: skip
-    want = follow(jnp.asarray(padded))
+                                             jnp.zeros((2, 16, 8))))  # fmt: skip
+    want, last = follow(jnp.asarray(padded))
     for path, expected in zip(paths, want, strict=True):
         np.testing.assert_allclose(
             o[path[-1]], expected[len(path) - 1], rtol=1e-4, atol=1e-5, err_msg=str(path)
         )
+    ends = [path[-1] for path in paths]
+    # the first tree's two slots: its last template's last row, and the trunk's last row (an empty template)
+    assert slots == 32 and list(p.export_rows[:3]) == [len(trees[0]) - 1, 70, -1]
+    for i, row in enumerate(p.export_rows[:2]):
+        np.testing.assert_allclose(states[i], last[ends.index(row)], rtol=1e-4, atol=1e-5)

@@ -293,8 +293,9 @@ def test_recurrent_chunks_start_from_their_own_questions_states():
 
 def test_recurrent_passes_hold_their_chunks_and_refuse_long_option_subtrees():
     """A pass of a recurrent model holds at most one chunk per 16 rows (each costs a step whether it holds
-    rows or not): many small questions split passes that their rows alone would not. Options sharing a first
-    token whose subtree outgrows a chunk are refused with a clear error."""
+    rows or not): many small questions split passes that their rows alone would not; likewise at most
+    max_slots extraction slots. Options sharing a first token whose subtree outgrows a chunk are refused
+    with a clear error."""
     buckets = Buckets((256, 512), block=32, recurrent=True)
     questions = [QuestionKey((20 + i,), ((40,), (41,))) for i in range(40)]
     trees = [tree for tree, _ in content_trees([BOS], _content(3, 20), questions, buckets)]
@@ -305,12 +306,12 @@ def test_recurrent_passes_hold_their_chunks_and_refuse_long_option_subtrees():
     assert [p.size for p in pack(trees, buckets)] == [512, 256]
     for p in pack(trees, buckets):
         assert (p.chunks[:, 1] > 0).sum() <= buckets.max_chunks(p.size) == len(p.chunks)
+    # Each extraction slot hands its recurrent states to decoding: a pass holds max_slots of them.
+    slots = [QuestionKey((30 + i,), extract=Extract()) for i in range(40)]
+    trees = [tree for tree, _ in content_trees([BOS], [5], slots, Buckets((1024,), block=32, recurrent=True))]
+    assert [len(t.slots) for t in trees] == [32, 8]
+    passes = pack(trees, Buckets((1024,), block=32, recurrent=True))
+    assert [len(p.tree_ids) for p in passes] == [1, 1] and all(len(p.export_rows) == 32 for p in passes)
     many = tuple((1, i, i + 100, 7) for i in range(2, 40))  # nodes (1,), (1, i), (1, i, i + 100): 77 rows
     with pytest.raises(ValueError, match="subtree of 77 tokens"):
         content_trees([BOS], [5], [QuestionKey((9,), many)], buckets)
-
-
-def test_extraction_is_refused_on_recurrent_models():
-    engine = _engine("qwen3_5", "fp32")
-    with pytest.raises(ValueError, match="not supported yet on models with recurrent layers"):
-        engine.score_trees([build_tree([BOS], [5, 6], [QuestionKey((9,), extract=Extract())])])

@@ -30,7 +30,8 @@ class TreeBatch:
 
     Recurrent layers (Qwen3.5's Gated DeltaNet) read `parent`, the row before each row on its path, for their
     short convolution, and run the gated delta rule over `chunks` (spinf_jax.layout.Tree.recurrent_chunks);
-    both are empty for models without such layers.
+    in a pass with extraction slots they hand the states at `export_rows` to decoding. All three are empty
+    for models without such layers.
 
     Attention reads a row's keys in two parts (pallas_kernels.tree_attention): the trunk of its tree, in key
     blocks of T // len(tree_start_block) tokens counted from the tree's first block (trees start on block
@@ -48,6 +49,7 @@ class TreeBatch:
     tree_start_block: jax.Array  # [T // block] int32: first block of the tree each block belongs to
     parent: jax.Array  # [T] int32, -1 where a row has none (or [0])
     chunks: jax.Array  # [N, 4] int32: first row, rows, start, keep (or [0, 4])
+    export_rows: jax.Array  # [X] int32: the extraction slots' rows, whose recurrent states decoding reads
 
     @property
     def block(self) -> int:
@@ -81,10 +83,9 @@ class TreeBatch:
         table[:, 0] = total  # unused entries hold no rows
         table[: len(chunks)] = chunks
         arrays = (tokens, positions, span_end, trunk_end, np.arange(1, total + 1, dtype=np.int32))
+        recurrent = (parent, table, np.zeros(0, np.int32))  # no extraction slots
         batch = TreeBatch(
-            *map(jnp.asarray, arrays),
-            jnp.zeros(total // block, jnp.int32),
-            *map(jnp.asarray, (parent, table)),
+            *map(jnp.asarray, arrays), jnp.zeros(total // block, jnp.int32), *map(jnp.asarray, recurrent)
         )
         return batch, starts
 
@@ -112,6 +113,7 @@ class DecodeBatch:
     trunk_end: jax.Array  # [G]
     branch_start: jax.Array  # [G]
     slot_end: jax.Array  # [G]: the slot row + 1
+    export: jax.Array  # [G]: which of the pass's exported recurrent states is the slot's
     path: jax.Array  # [G, W, S] int32: which history row holds each hypothesis's key at each step
     step: jax.Array  # [] int32: this step's history column
     cache: tuple
@@ -121,6 +123,19 @@ class DecodeBatch:
 
 
 Batch = TreeBatch | DecodeBatch
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RecurrentState:
+    """What a recurrent layer carries where an attention layer has keys and values: from a pass, the states
+    at its extraction slots ([X, heads, key dim, value dim] f32) and the inputs its convolution reads there
+    besides the next token's ([X, kernel - 1, channels]: the slot row first, then the rows before it); in a
+    decode step, the same per hypothesis ([G, W, ...]), after the token it fed. A step replaces it whole
+    (where keys and values are written at the step's column)."""
+
+    state: jax.Array
+    window: jax.Array
 
 
 def attention(q, k, v, batch: Batch, *, scale: float, window: int | None = None) -> jax.Array:

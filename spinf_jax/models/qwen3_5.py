@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.gated_delta import tree_chunked
+from pallas_kernels.gated_delta import token, tree_chunked
 from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.layers import (
     Batch,
     DecodeBatch,
+    RecurrentState,
     Rope,
     apply_rope,
     attention,
@@ -180,20 +181,48 @@ class GatedDeltaLayer(_Layer):
         self.out = w((d, value), "linear_attn.out_proj.weight", Kind.LINEAR)
 
     def __call__(self, x, batch: Batch, row_tile: int | None):
-        """→ (the residual stream after this layer, None: it keeps no keys)."""
+        """→ (the residual stream after this layer, and in a pass with extraction slots or a decode step the
+        RecurrentState decoding continues from; else None)."""
         if isinstance(batch, DecodeBatch):
-            raise NotImplementedError(
-                "decoding through Gated DeltaNet layers (extraction) is not supported yet"
-            )
+            return self._decode(x, batch, row_tile)
         mixed, z, b, a = by_rows(self._project, row_tile, x)
         # The convolution reads the rows before each row on its path: gathers, exact, so still row-local.
         earlier, row = [mixed], batch.parent
         for _ in range(self.cfg.conv_kernel - 1):
             earlier.append(jnp.where((row >= 0)[:, None], mixed[jnp.maximum(row, 0)], 0))
             row = jnp.where(row >= 0, batch.parent[jnp.maximum(row, 0)], -1)
-        q, k, v, g, beta = by_rows(self._gate_inputs, row_tile, jnp.stack(earlier, axis=1), b, a)
-        o = tree_chunked(q, k, v, g, beta, batch.span_end, batch.chunks)
-        return self._feed_forward(row_tile, self._mixed, x, o, z), None
+        window = jnp.stack(earlier, axis=1)  # [T, kernel, channels]: the row, then the rows before it
+        q, k, v, g, beta = by_rows(self._gate_inputs, row_tile, window, b, a)
+        slots = batch.export_rows
+        o, states = tree_chunked(q, k, v, g, beta, batch.span_end, batch.chunks, exports=slots.shape[0])
+        out = self._feed_forward(row_tile, self._mixed, x, o, z)
+        if not slots.shape[0]:
+            return out, None
+        return out, RecurrentState(states, window[jnp.maximum(slots, 0), :-1])
+
+    def _decode(self, x, batch: DecodeBatch, row_tile: int | None):
+        """One decode step: each hypothesis's token from the state and convolution inputs its path left (at
+        the first step, its slot's, from the pass)."""
+        pass_state, step_state = batch.cache, batch.history  # RecurrentState: [X, ...] and [G, W, ...]
+        g, w = step_state.state.shape[:2]
+        parent = batch.path[:, :, jnp.maximum(batch.step - 1, 0)]  # [G, W]: its row at the step before
+
+        def before(of_pass, of_steps):  # [X, ...] and [G, W, ...] → [G × W, ...]
+            from_slot = jnp.broadcast_to(of_pass[batch.export][:, None], of_steps.shape)
+            from_path = of_steps[jnp.arange(g)[:, None], parent]
+            return jnp.where(batch.step == 0, from_slot, from_path).reshape(g * w, *of_steps.shape[2:])
+
+        state = before(pass_state.state, step_state.state)
+        window = before(pass_state.window, step_state.window)
+        mixed, z, b, a = by_rows(self._project, row_tile, x)
+        window = jnp.concatenate([mixed[:, None], window], axis=1)  # [R, kernel, channels]
+        q, k, v, gate, beta = by_rows(self._gate_inputs, row_tile, window, b, a)
+        state, o = by_rows(jax.vmap(token), row_tile, state, q, k, v, gate, beta)
+        out = self._feed_forward(row_tile, self._mixed, x, o, z)
+        after = RecurrentState(
+            state.reshape(g, w, *state.shape[1:]), window[:, :-1].reshape(g, w, -1, window.shape[-1])
+        )
+        return out, after
 
     def _project(self, x):
         """Row-local: the input projections (q, k, v before the convolution [T, 2·key + value], z [T, value],

@@ -11,7 +11,7 @@ from flax import nnx
 
 from spinf_jax.models.layers import Batch, TreeBatch, by_rows, head_logits, head_token_logits
 from spinf_jax.models.params import Kind, weight
-from spinf_jax.quant import Precision
+from spinf_jax.quant import Precision, embed
 
 
 def runs(signatures: list[Hashable]) -> list[tuple[int, int, int]]:
@@ -67,7 +67,8 @@ class Decoder(nnx.Module):
     layers with equal signatures can share one), the final norm and the final-logit softcap (or None). Each
     layer is called through `_call_layer` (layer(x, batch, row_tile) unless a family says otherwise) and
     returns the new residual stream and the keys and values it computed (None when it reads another
-    layer's, or keeps none). A family's subclass defines the row-local `_embed(tokens)` and `_final_norm(x)`.
+    layer's, or keeps none). A family's subclass defines the row-local `_final_norm(x)` (and `_embed(tokens)`
+    where the embedding is not used as it is).
     A family with recurrent layers (`recurrent`) reads the batch's parents and recurrent chunks."""
 
     recurrent = False
@@ -170,6 +171,10 @@ class Decoder(nnx.Module):
     def _inputs(self, tokens):
         """Row-local: the input embedding [T, hidden] and the layers' own inputs [T, layers, P] (or None)."""
         return self._embed(tokens), None
+
+    def _embed(self, tokens):
+        """Row-local: the input embedding [T, hidden] in the activation dtype (Gemma scales it)."""
+        return embed(tokens, self.embed.get_value(), self.precision.activation_dtype)
 
     @staticmethod
     def _call_layer(layer, x, batch, row_tile, per_layer, shared_kv):

@@ -19,7 +19,7 @@ from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.layers import Batch, Rope, apply_rope, attention, by_rows, gated_mlp, rms_norm
 from spinf_jax.models.moe import Experts, route
 from spinf_jax.models.params import Kind, layer_weight
-from spinf_jax.quant import Precision, embed, linear
+from spinf_jax.quant import Precision, linear
 
 MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
@@ -177,9 +177,6 @@ class Llama(Decoder):
         make_layer = partial(Layer, cfg, precision=precision)
         signatures = [cfg.sparse(i) for i in range(cfg.num_layers)]  # experts or a dense MLP
         super().__init__(cfg, precision, make_layer, signatures, tied=cfg.tie_embeddings, softcap=None)
-
-    def _embed(self, tokens):
-        return embed(tokens, self.embed.get_value(), self.precision.activation_dtype)
 
     def _final_norm(self, x):
         return _norm(x, self.final_norm, self.config)

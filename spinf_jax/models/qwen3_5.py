@@ -41,7 +41,7 @@ from spinf_jax.models.layers import (
 )
 from spinf_jax.models.moe import Experts, route
 from spinf_jax.models.params import Kind, layer_weight
-from spinf_jax.quant import Precision, embed, linear
+from spinf_jax.quant import Precision, linear
 
 LINEAR, FULL = "linear_attention", "full_attention"
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
@@ -307,9 +307,6 @@ class Qwen3_5(Decoder):
 
         signatures = list(cfg.layer_types)
         super().__init__(cfg, precision, make_layer, signatures, tied=cfg.tie_embeddings, softcap=None)
-
-    def _embed(self, tokens):
-        return embed(tokens, self.embed.get_value(), self.precision.activation_dtype)
 
     def _final_norm(self, x):
         return _norm(x, self.final_norm, self.config)

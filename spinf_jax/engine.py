@@ -11,6 +11,7 @@ Library use (what the server does too, and what a notebook can call directly):
 """
 
 import hashlib
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -331,14 +332,18 @@ class Engine:
 
     def _extraction_warmup_trees(self) -> list[Tree]:
         """One tree per decode size, on empty content: enough two-token slots of each width (searched and
-        generated) that their rows need that size, so decoding them compiles its programs."""
-        trees = []
+        generated) that their rows need that size, so decoding them compiles its programs. Where a pass holds
+        fewer slots than that (a recurrent model's: Buckets.max_slots), no request decodes that many rows of
+        that width at once, and the tree leaves them out."""
+        trees, most = [], self.buckets.max_exports(self.buckets.largest) or math.inf
         for smaller in (0, *self.decode_sizes[:-1]):
             rows = smaller + 1  # the fewest rows that take the next size
+            searched, generated = -(-rows // SEARCH_WIDTH), rows
+            counts = {False: searched, True: generated if searched + generated <= most else 0}
             questions = [
                 QuestionKey((0,), extract=Extract(max_answers=1, max_tokens=2, generate=generate))
-                for generate in (False, True)
-                for _ in range(-(-rows // (1 if generate else SEARCH_WIDTH)))
+                for generate, count in counts.items()
+                for _ in range(count)
             ]
             trees.append(build_tree([0], [], questions))
         return trees

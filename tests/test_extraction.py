@@ -10,9 +10,9 @@ import pytest
 from spinf_jax import engine as engine_module
 from spinf_jax.engine import Engine
 from spinf_jax.extraction import CANDIDATES, SlotSearch
-from spinf_jax.layout import Extract, QuestionKey, build_tree
+from spinf_jax.layout import SEARCH_WIDTH, Extract, QuestionKey, build_tree
 from spinf_jax.loader import default_row_tile
-from spinf_jax.packer import Buckets
+from spinf_jax.packer import Buckets, pack
 from tests import engines
 from tests.spec_example import SPEC_REQUEST
 
@@ -88,6 +88,20 @@ def test_answers_bit_identical_whatever_the_companions(family, precision):
     plain = engine.score_trees([build_tree([2], CONTENTS[1], [OPTIONS])])[0].option_logprobs(0)
     mixed = engine.score_trees([build_tree([2], CONTENTS[1], [SEARCH, OPTIONS])])[0].option_logprobs(1)
     assert plain.tobytes() == mixed.tobytes()
+
+
+def test_warmup_trees_fit_a_recurrent_models_passes():
+    """A recurrent model's pass holds at most max_slots slots: each warm-up tree is one pass, and its slots
+    still take every decode size, generated slots where they fit beside the searched ones."""
+    engine = Engine(engines.model("qwen3_5"), _buckets(2))
+    trees = engine._extraction_warmup_trees()
+    searched = [sum(not s.extract.generate for s in t.slots) * SEARCH_WIDTH for t in trees]
+    generated = [sum(s.extract.generate for s in t.slots) for t in trees]
+    assert [engine._rows(rows) for rows in searched] == list(engine.decode_sizes)  # 16, 32, 64 rows
+    assert [engine._rows(rows) for rows in generated[:-1]] == list(engine.decode_sizes[:-1])
+    # 33 generated slots would take the 64-row step, but not beside 5 searched ones in one pass
+    assert generated[-1] == 0 and len(trees[-1].slots) + 33 > engine.buckets.max_slots
+    assert all(len(pack([t], engine.buckets)) == 1 for t in trees)
 
 
 # ---------------------------------------------------------------------------------------------------------

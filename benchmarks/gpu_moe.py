@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import timed
 
-from pallas_kernels.moe import _combine, dense, grouped
+from pallas_kernels.moe import combine, dense, grouped
 from spinf_jax.models.moe import TILE, route
 from spinf_jax.quant import Precision, linear, quantize
 
@@ -63,7 +63,7 @@ def ragged(x, index, weight, gate_up, down, inner, activation):
         preferred_element_type=jnp.float32,
     )
     back = jnp.zeros_like(out).at[order].set(out)
-    return _combine(back.reshape(t, k, -1), weight)
+    return combine(back.reshape(t, k, -1), weight)
 
 
 def run(name, shape, precision: Precision, tokens: int) -> dict:

@@ -26,7 +26,7 @@ from pallas_kernels.late_map import late_map
 def dense(x, index, weight, expert, experts: int) -> jax.Array:
     """x [T, hidden]; the experts each token chose [T, k] and their weights [T, k] f32 → [T, hidden] f32."""
     outs = jnp.stack([expert(x, e) for e in range(experts)], axis=1)  # [T, E, hidden]
-    return _combine(jnp.take_along_axis(outs, index[..., None], axis=1), weight)
+    return combine(jnp.take_along_axis(outs, index[..., None], axis=1), weight)
 
 
 def grouped(x, index, weight, expert, experts: int, *, tile: int) -> jax.Array:
@@ -47,10 +47,10 @@ def grouped(x, index, weight, expert, experts: int, *, tile: int) -> jax.Array:
     # Each tile's expert: the last expert starting at or before it (tiles past the end compute padding).
     tile_expert = jnp.searchsorted(starts, jnp.arange(tiles) * tile, side="right") - 1
     out = late_map(lambda xs: expert(*xs), (buffer.reshape(tiles, tile, -1), tile_expert))
-    return _combine(out.reshape(tiles * tile, -1)[row].reshape(t, k, -1), weight)
+    return combine(out.reshape(tiles * tile, -1)[row].reshape(t, k, -1), weight)
 
 
-def _combine(outs, weight) -> jax.Array:
+def combine(outs, weight) -> jax.Array:
     """outs [T, k, hidden] f32, weight [T, k] → Σ_j weight_j · out_j, added in the order j = 0, 1, ..."""
     total = outs[:, 0] * weight[:, :1]
     for j in range(1, outs.shape[1]):

@@ -93,6 +93,7 @@ class Tree:
     # is an extraction slot).
     branches: list[tuple[int, int, int, tuple, bool]] = field(default_factory=list)
     slots: list[SlotRow] = field(default_factory=list)
+    _chunks: list | None = field(default=None, repr=False, compare=False)  # recurrent_chunks, once worked out
     _reads: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # row → read index
     _target_index: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
 
@@ -122,7 +123,13 @@ class Tree:
         """The tree as recurrent layers run it: (first row, rows, where it starts: START_*, the state it
         keeps: KEEP_*) per chunk, in the order they run. An extraction slot's template keeps KEEP_EXPORT (the
         packer numbers the pass's slots); with an empty template, a chunk of no rows hands on the trunk's
-        state. Raises ValueError where one option subtree is longer than a chunk."""
+        state. Raises ValueError where one option subtree is longer than a chunk. Worked out once per tree:
+        packing asks for it to count a tree's chunks and again to lay them out."""
+        if self._chunks is None:
+            self._chunks = self._recurrent_chunks()
+        return self._chunks
+
+    def _recurrent_chunks(self) -> list[tuple[int, int, int, int]]:
         out = _chain(0, self.trunk_tokens, START_ZERO, KEEP_TRUNK)
         entry = START_TRUNK if self.trunk_tokens else START_ZERO
         for first, trie, end, option_ids, slot in self.branches:

@@ -136,9 +136,7 @@ class Pass:
     trunk_end: np.ndarray  # [size]
     branch_start: np.ndarray  # [size]
     tree_start_block: np.ndarray  # [size // block]
-    parent: (
-        np.ndarray
-    )  # [size] the row before each row on its path (-1: none); empty without recurrent layers
+    parent: np.ndarray  # [size] each row's parent on its path (-1: none); empty without recurrent layers
     chunks: np.ndarray  # [max_chunks, 4] recurrent chunks (Tree.recurrent_chunks), padded with empty ones
     export_rows: np.ndarray  # [max_exports] each slot's row, in slot order (-1: none); empty without slots
     read_rows: np.ndarray  # [max_reads] rows of the pass (padding reads row 0)
@@ -257,7 +255,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
     branch_start = span_end.copy()
     tree_start_block = np.arange(size // block, dtype=np.int32)
     parent = np.full(size if buckets.recurrent else 0, -1, np.int32)
-    chunks = _empty_chunks(buckets.max_chunks(size), size)
+    chunks = empty_chunks(buckets.max_chunks(size), size)
     export_rows = np.full(buckets.max_exports(size) if used[4] else 0, -1, np.int32)
     n_chunks = n_exports = 0
     read_rows = np.zeros(buckets.max_reads(size), np.int32)
@@ -316,7 +314,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
     )
 
 
-def _empty_chunks(n: int, rows: int) -> np.ndarray:
+def empty_chunks(n: int, rows: int) -> np.ndarray:
     """[n, 4] recurrent chunks that hold no rows (after the pass's last row) and change no state."""
     chunks = np.zeros((n, 4), np.int32)
     chunks[:, 0] = rows

@@ -11,6 +11,7 @@ from pallas_kernels import decode_attention
 from pallas_kernels.late_map import late_map
 from pallas_kernels.tree_attention import blockwise, kernel
 from spinf_jax.layout import Tree
+from spinf_jax.packer import empty_chunks
 from spinf_jax.quant import Weight, embed, linear
 
 # Hugging Face's names for the two kinds of attention layer (Gemma 3 and 4 alternate them).
@@ -79,8 +80,7 @@ class TreeBatch:
             trunk_end[start:end] = end  # a plain sequence is all trunk
             parent[start + 1 : end] = np.arange(start, end - 1)
             chunks += [(a + start, *rest) for a, *rest in Tree.trunk(list(seq)).recurrent_chunks()]
-        table = np.zeros((max(2, len(chunks)), 4), np.int32)
-        table[:, 0] = total  # unused entries hold no rows
+        table = empty_chunks(max(2, len(chunks)), total)
         table[: len(chunks)] = chunks
         arrays = (tokens, positions, span_end, trunk_end, np.arange(1, total + 1, dtype=np.int32))
         recurrent = (parent, table, np.zeros(0, np.int32))  # no extraction slots

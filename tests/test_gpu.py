@@ -63,7 +63,9 @@ def test_mosaic_kernel_rows_bit_identical_whatever_the_companions(slots):
     same_rows_in_every_layout(attend, blocks=(64, 128), rows=256, tol=2e-2, d=256, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3", "gemma4-e2b", "qwen3_5"])
+@pytest.mark.parametrize(
+    "family", ["gemma3", "qwen3", "gemma4-e2b", "qwen3_5", "qwen3_moe", "gemma4-moe", "qwen3_5_moe"]
+)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
 def test_scores_bit_identical_across_packing_buckets_and_companions(family, precision):
     # Without row tiles this failed on the H200 (f32 GEMM and fused RMSNorm rows, and Qwen3 in bf16, differed

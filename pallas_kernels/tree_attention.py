@@ -12,6 +12,9 @@ online softmax runs over the trunk blocks, then over the branch blocks. The keys
 offsets they sit at, are then the same whatever else is in the pass: other contents, other questions of the
 same content, their order. Blocks that hold none of a row's keys may be visited for the sake of other rows in
 the same query block; for that row they add exact zeros and leave its state bit for bit as it was.
+
+`reach` (optional, [T]) lets a row see keys after itself: row i sees keys j < reach[i] (i + 1 without it).
+An image's soft tokens attend to each other both ways (Gemma 3), and they are all in the trunk.
 """
 
 from functools import partial
@@ -35,12 +38,14 @@ def matmul_precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def tree_mask(positions: jax.Array, span_end: jax.Array, window: int | None) -> jax.Array:
+def tree_mask(
+    positions: jax.Array, span_end: jax.Array, window: int | None, reach: jax.Array | None = None
+) -> jax.Array:
     """[T, T] bool: query i may attend to key j."""
     n = positions.shape[0]
     i = jnp.arange(n)[:, None]
     j = jnp.arange(n)[None, :]
-    visible = (j <= i) & (i < span_end[None, :])
+    visible = (j < _reach(reach, n)[:, None]) & (i < span_end[None, :])
     if window is not None:
         # Sliding layers see keys less than `window` positions back, counted along the tree path.
         visible &= positions[:, None] - positions[None, :] < window
@@ -56,24 +61,32 @@ def reference(
     *,
     scale: float,
     window: int | None = None,
+    reach: jax.Array | None = None,  # [T]
 ) -> jax.Array:  # [T, H, D]
     t, h, d = q.shape
     groups = h // k.shape[1]
     qg = q.reshape(t, k.shape[1], groups, d)
     exact = matmul_precision(q.dtype)
     scores = jnp.einsum("tkgd,skd->kgts", qg, k, precision=exact, preferred_element_type=jnp.float32) * scale
-    mask = tree_mask(positions, span_end, window)
+    mask = tree_mask(positions, span_end, window, reach)
     scores = jnp.where(mask[None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("kgts,skd->tkgd", probs, v, precision=exact, preferred_element_type=jnp.float32)
     return out.reshape(t, h, d).astype(q.dtype)
 
 
-def trunk_last_block(trunk_end: jax.Array, block: int) -> jax.Array:
-    """[T // block]: the last key block a query block reads in its trunk part (its own block at most)."""
+def _reach(reach: jax.Array | None, t: int) -> jax.Array:
+    """[T]: the end of the keys each row may see (itself and those before it, where `reach` says nothing)."""
+    return jnp.arange(1, t + 1, dtype=jnp.int32) if reach is None else reach
+
+
+def trunk_last_block(trunk_end: jax.Array, block: int, reach: jax.Array | None = None) -> jax.Array:
+    """[T // block]: the last key block a query block reads in its trunk part (the last its rows reach: its
+    own block, or further where an image's rows see the rest of their image)."""
     n = trunk_end.shape[0] // block
     last = (jnp.max(trunk_end.reshape(n, block), axis=1) - 1) // block
-    return jnp.minimum(last, jnp.arange(n, dtype=jnp.int32))
+    reached = (jnp.max(_reach(reach, trunk_end.shape[0]).reshape(n, block), axis=1) - 1) // block
+    return jnp.minimum(last, reached)
 
 
 def branch_lists(branch_start: jax.Array, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -123,6 +136,7 @@ def blockwise(
     scale: float,
     window: int | None = None,
     block: int,
+    reach: jax.Array | None = None,  # [T]
 ) -> jax.Array:  # [T, H, D]
     """Tree attention in plain JAX, one query block at a time: trunk key blocks from the tree's first block,
     then, for each branch with rows in the block, BRANCH_BLOCK-key blocks from the branch's first row (see
@@ -142,7 +156,8 @@ def blockwise(
     offsets = jnp.arange(block, dtype=jnp.int32)
     branch_offsets = jnp.arange(BRANCH_BLOCK, dtype=jnp.int32)
     exact = matmul_precision(q.dtype)
-    trunk_last = trunk_last_block(trunk_end, block)
+    trunk_last = trunk_last_block(trunk_end, block, reach)
+    reach = _reach(reach, t)
     first_rows, last_rows, counts = branch_lists(branch_start, block)
 
     def scores(q_block, keys):  # [block, K, G, D], [keys, K, D] → [K, G, block, keys] f32
@@ -160,7 +175,7 @@ def blockwise(
         q_pos = positions[q_idx]
 
         def visible(k_idx, own):  # [block, keys]: the tree mask, restricted to one part
-            ok = (k_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] < span_end[k_idx][None, :]) & own
+            ok = (k_idx[None, :] < reach[q_idx][:, None]) & (q_idx[:, None] < span_end[k_idx][None, :]) & own
             if window is not None:
                 ok &= q_pos[:, None] - positions[k_idx][None, :] < window
             return ok[None, None]
@@ -213,6 +228,7 @@ def _kernel(
     end_ref,
     trunk_end_ref,
     branch_ref,
+    reach_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -234,13 +250,14 @@ def _kernel(
     q_pos = pos_ref[rows]
     q_trunk_end = trunk_end_ref[rows]
     q_branch = branch_ref[rows]
+    q_reach = reach_ref[rows]
 
     def dot(p, values):
         return plgpu.dot(p, values, allow_tf32=not exact)
 
     def masked_scores(keys, k_idx, k_end, k_pos, own):
         s = plgpu.dot(q, keys, trans_b=True, allow_tf32=not exact) * scale  # [tile, keys] f32
-        ok = (k_idx[None, :] <= q_idx[:, None]) & (q_idx[:, None] < k_end[None, :]) & own
+        ok = (k_idx[None, :] < q_reach[:, None]) & (q_idx[:, None] < k_end[None, :]) & own
         if window is not None:
             ok &= q_pos[:, None] - k_pos[None, :] < window
         return jnp.where(ok, s, -jnp.inf)
@@ -295,6 +312,7 @@ def kernel(
     tile: int | None = None,
     branch_block: int = BRANCH_BLOCK,
     interpret: bool = False,
+    reach: jax.Array | None = None,  # [T]
 ) -> jax.Array:  # [T, H, D]
     """`blockwise` as a Pallas kernel (Triton backend): a program per (query tile, head) reads its trunk's
     key tiles and then its branches' key blocks, so tiles no query in it can see are skipped, and the order
@@ -318,7 +336,7 @@ def kernel(
         in_specs=[
             *[pl.BlockSpec((n,), whole)] * 3,
             *[pl.BlockSpec((n * tile,), whole)] * 2,
-            *[pl.BlockSpec((t,), whole)] * 4,
+            *[pl.BlockSpec((t,), whole)] * 5,
             pl.BlockSpec((tile, None, d), lambda i, j: (i, j, 0)),
             pl.BlockSpec((t, None, d), lambda i, j: (0, j // groups, 0)),
             pl.BlockSpec((t, None, d), lambda i, j: (0, j // groups, 0)),
@@ -329,7 +347,7 @@ def kernel(
         name="tree_attention",
     )(
         start,
-        trunk_last_block(trunk_end, tile),
+        trunk_last_block(trunk_end, tile, reach),
         counts,
         first_rows.reshape(-1),
         last_rows.reshape(-1),
@@ -337,6 +355,7 @@ def kernel(
         span_end,
         trunk_end,
         branch_start,
+        _reach(reach, t),
         q,
         k,
         v,

@@ -22,8 +22,8 @@ class TextPart(Struct, kw_only=True, tag_field="type", tag="text"):
     text: str
 
 
-# Parts for models that read more than text. Their payloads are not looked into: the models served today
-# read text only and answer these with unsupported_content.
+# Parts for models that read more than text (image_url: Gemma 3 with its vision tower reads
+# {"url": "data:image/...;base64,..."}); models that read text only answer them with unsupported_content.
 class ImagePart(Struct, kw_only=True, tag_field="type", tag="image_url"):
     image_url: dict[str, Any] | None = None
 
@@ -325,6 +325,9 @@ class TokenDetails(Struct, kw_only=True):
     floor_tokens: int
     decode_tokens: Annotated[
         int, Meta(description="tokens fed while decoding extraction slots (every hypothesis, every step)")
+    ] = 0
+    image_tokens: Annotated[
+        int, Meta(description="of content_tokens, the images' soft tokens (models that read images)")
     ] = 0
 
 

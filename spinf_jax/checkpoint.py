@@ -33,17 +33,30 @@ class SafetensorsFolder:
         self.weight_map: dict[str, str] = weight_map
 
     def get(self, name: str) -> np.ndarray:
-        # Multimodal checkpoints (Gemma3ForConditionalGeneration) nest the text decoder one level down.
-        file = self.weight_map.get(name)
-        if file is None:
-            alt = name.replace("model.", "model.language_model.", 1)
-            if alt not in self.weight_map:
-                raise KeyError(f"tensor {name!r} (or {alt!r}) not found in {self.folder}")
-            file, name = self.weight_map[alt], alt
+        stored = next((alias for alias in _aliases(name) if alias in self.weight_map), None)
+        if stored is None:
+            others = " or ".join(map(repr, _aliases(name)[1:]))
+            raise KeyError(f"tensor {name!r} (or {others}) not found in {self.folder}")
+        file, name = self.weight_map[stored], stored
         with safe_open(self.folder / file, "numpy") as f:
             if f.get_slice(name).get_dtype() == "F8_E4M3":
                 return _read_float8(self.folder / file, name)
             return f.get_tensor(name)
+
+
+def _aliases(name: str) -> list[str]:
+    """Where a checkpoint may keep the tensor we call `name` (transformers' name in a text-only model, or for
+    a media tower in its current multimodal class). Multimodal checkpoints nest the text decoder one level
+    down (transformers 5: model.language_model.; the released Gemma 3 files and what transformers 5 writes:
+    language_model.model.) and keep the vision tower and projector at the top (vision_tower.[vision_model.],
+    multi_modal_projector.)."""
+    if not name.startswith("model."):
+        return [name]
+    rest = name.removeprefix("model.")
+    towers = [rest, rest.replace("vision_tower.", "vision_tower.vision_model.", 1)]
+    return list(
+        dict.fromkeys([name, f"model.language_model.{rest}", f"language_model.model.{rest}", *towers])
+    )
 
 
 def _read_float8(path: Path, name: str) -> np.ndarray:

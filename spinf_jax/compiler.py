@@ -5,9 +5,11 @@ Decoding (spinf_jax.decoding) has checked the JSON types; this checks the meanin
 that need no tokens (one slot per template, placeholders and their values, options, ids, limits) while every
 query is expanded into its filled templates, then one tokenizer batch for every distinct string of the
 request, then what needs tokens (lengths, option boundaries) while building the immutable CompiledRequest the
-engine reads. Knows nothing of the model beyond its tokenizer.
+engine reads. Knows nothing of the model beyond its tokenizer and, for models that read images, how an image
+stands in the content (spinf_jax.media.ImageFormat).
 """
 
+import dataclasses
 import itertools
 import math
 import re
@@ -17,7 +19,7 @@ from enum import StrEnum
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from spinf_jax import api, orderings
+from spinf_jax import api, media, orderings
 from spinf_jax.answers import vocabulary
 from spinf_jax.calibration import Calibration
 from spinf_jax.errors import ScoringError
@@ -29,6 +31,7 @@ from spinf_jax.layout import (
     Extract,
     QuestionKey,
 )
+from spinf_jax.media import ImageFormat
 
 if TYPE_CHECKING:
     from spinf_jax.packs.compiled import CompiledPack
@@ -57,6 +60,18 @@ class Limits:
     # Processed tokens per request (contents, questions, floors), charged as the trees are built
     # (spinf_jax.scoring); the compiler's own work is bounded by the body's size.
     max_request_tokens: int = 2_000_000
+    # For models that read images. An image file, decoded from its data URL: what a 2 MiB body holds in base64
+    # (the hosted API's body limit); Gemma 3 reads every image at 896×896, which a JPEG holds in ~200 KB.
+    max_images_per_content: int = 16  # each takes its soft tokens of the content's tokens
+    max_image_bytes: int = 1_500_000
+
+    def reported(self, reads_images: bool) -> dict[str, int]:
+        """The limits a server reports (/health): those on images only for a model that reads them."""
+        limits = dataclasses.asdict(self)
+        return limits if reads_images else {k: v for k, v in limits.items() if k not in IMAGE_LIMITS}
+
+
+IMAGE_LIMITS = ("max_images_per_content", "max_image_bytes")
 
 
 @dataclass(frozen=True)
@@ -99,22 +114,42 @@ class PackAsk:
     queries: tuple[Query, ...]
     content_ids: tuple[int, ...] | None  # None: the pack's questions share the content's read
     cells: bool
+    images: "Images" = ()  # the wrapped content's
+
+
+@dataclass(frozen=True)
+class ContentImage:
+    """An image part of a content: its file, read by the scorer (once per distinct file), and its field."""
+
+    data: bytes
+    param: str
+
+    @cached_property
+    def digest(self) -> str:
+        return media.digest(self.data)
+
+
+# Images in a content: (the row of the image's first soft token among the content's tokens, the image).
+Images = tuple[tuple[int, ContentImage], ...]
 
 
 @dataclass(frozen=True)
 class Content:
     input_id: str
-    content_ids: tuple[int, ...]  # tokens(content text), no BOS
+    content_ids: tuple[int, ...]  # tokens(content text), no BOS; an image's tokens where it is
     queries: tuple[Query, ...]
     param: str  # its messages field, which errors about the content name
     packs: tuple[PackAsk, ...] = ()
+    images: Images = ()
 
-    def reads(self) -> list[tuple[tuple[int, ...], tuple[Query, ...]]]:
-        """The reads of this content: (content tokens, the queries asked of them). The first holds its own
-        queries and those of packs that share it; each wrapping pack adds its own."""
+    def reads(self) -> list[tuple[tuple[int, ...], Images, tuple[Query, ...]]]:
+        """The reads of this content: (content tokens, their images, the queries asked of them). The first
+        holds its own queries and those of packs that share it; each wrapping pack adds its own."""
         shared = self.queries + tuple(q for ask in self.packs if ask.content_ids is None for q in ask.queries)
-        wrapped = [(ask.content_ids, ask.queries) for ask in self.packs if ask.content_ids is not None]
-        return [(self.content_ids, shared), *wrapped]
+        wrapped = [
+            (ask.content_ids, ask.images, ask.queries) for ask in self.packs if ask.content_ids is not None
+        ]
+        return [(self.content_ids, self.images, shared), *wrapped]
 
 
 @dataclass(frozen=True)
@@ -131,25 +166,77 @@ def _invalid(param: str | None, message: str) -> ScoringError:
 # Content
 
 
-def render_content(messages: list[api.Message], param: str) -> str:
-    """The content's text: every message's text, joined with "\\n". Roles are ignored; no chat template."""
-    return "\n".join(_message_text(m, f"{param}[{i}]") for i, m in enumerate(messages))
+# Where an image part is in a content's text (U+FFFC, the object replacement character); _content_ids puts the
+# image's tokens there.
+IMAGE_MARK = "\ufffc"
 
 
-def _message_text(message: api.Message, param: str) -> str:
+def render_content(messages: list[api.Message], param: str, images: list[ContentImage] | None = None) -> str:
+    """The content's text: every message's text, joined with "\\n". Roles are ignored; no chat template.
+    An image part becomes IMAGE_MARK, its file appended to `images` (None: the model reads text only)."""
+    return "\n".join(_message_text(m, f"{param}[{i}]", images) for i, m in enumerate(messages))
+
+
+def _message_text(message: api.Message, param: str, images: list[ContentImage] | None) -> str:
     if isinstance(message.content, str):
         return message.content
-    return "\n".join(_part_text(part, f"{param}.content[{k}]") for k, part in enumerate(message.content))
+    parts = enumerate(message.content)
+    return "\n".join(_part_text(part, f"{param}.content[{k}]", images) for k, part in parts)
 
 
-def _part_text(part: api.ContentPart, param: str) -> str:
+def _part_text(part: api.ContentPart, param: str, images: list[ContentImage] | None) -> str:
     if isinstance(part, api.TextPart):
         return part.text
+    if isinstance(part, api.ImagePart) and images is not None:
+        url = (part.image_url or {}).get("url")
+        if not isinstance(url, str):
+            raise _invalid(
+                param + ".image_url.url", "an image part needs image_url.url: a data:image/... URL"
+            )
+        try:
+            images.append(ContentImage(media.decode_data_url(url, param + ".image_url.url"), param))
+        except media.MediaError as e:
+            raise ScoringError(e.code, str(e), param + ".image_url.url") from None
+        return IMAGE_MARK
+    reads = "text and images" if images is not None else "text only"
     raise ScoringError(
         "unsupported_content",
-        f"content parts of type {part.__struct_config__.tag!r} are not supported: this model reads text only",
+        f"content parts of type {part.__struct_config__.tag!r} are not supported: this model reads {reads}",
         param,
     )
+
+
+def _image_pieces(text: str, images: tuple[ContentImage, ...], param: str) -> list[str]:
+    """A content's text around its images: len(images) + 1 pieces."""
+    pieces = text.split(IMAGE_MARK)
+    if len(pieces) != len(images) + 1:  # the mark was in the text itself
+        raise _invalid(
+            param, "U+FFFC (the object replacement character) cannot be in the text of a content with images"
+        )
+    return pieces
+
+
+def _content_ids(
+    text: str,
+    images: tuple[ContentImage, ...],
+    ids: Mapping[str, tuple[int, ...]],
+    fmt: ImageFormat | None,
+    param: str,
+) -> tuple[tuple[int, ...], Images]:
+    """The tokens of a content's text with each image's where it stands: "\\n\\n", the image's start token,
+    its soft tokens, its end token, "\\n\\n" (Gemma 3's processor expands an image so), each piece of text
+    tokenised on its own."""
+    if not images:
+        return ids[text], ()
+    out, placed = [], []
+    pieces = _image_pieces(text, images, param)
+    gap = ids["\n\n"]
+    for piece, image in zip(pieces, images, strict=False):
+        out += [*ids[piece], *gap, fmt.start_id]
+        placed.append((len(out), image))
+        out += [fmt.image_id] * fmt.soft_tokens + [fmt.end_id, *gap]
+    out += ids[pieces[-1]]
+    return tuple(out), tuple(placed)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -426,16 +513,42 @@ def _options(options: list[str] | None, slot: Slot, param: str, limits: Limits) 
 # Inputs
 
 
-@dataclass
+@dataclass(eq=False)  # each content its own, even where two are alike (a dict key in compile_request)
 class _Input:
     input_id: str
     text: str
     param: str  # its messages field
     specs: list[_Spec]
+    images: tuple[ContentImage, ...] = ()  # in the order of IMAGE_MARKs in text
+
+
+def _render(messages: list[api.Message], param: str, limits: Limits, reads_images: bool):
+    """A content's text and its images (rendered_content), within the limits on images."""
+    images = [] if reads_images else None
+    text = render_content(messages, param, images)
+    for image in images or ():
+        if len(image.data) > limits.max_image_bytes:
+            raise ScoringError(
+                "invalid_media",
+                f"an image of {len(image.data):,} bytes; at most {limits.max_image_bytes:,}",
+                image.param,
+            )
+    if images and len(images) > limits.max_images_per_content:
+        raise ScoringError(
+            "too_many_images",
+            f"{len(images)} images in one content; at most {limits.max_images_per_content}",
+            param,
+        )
+    return text, tuple(images or ())
 
 
 def _parse_inputs(
-    request: api.ScoreRequest, shared: list[_Spec], has_packs: bool, limits: Limits, pack_questions: int = 0
+    request: api.ScoreRequest,
+    shared: list[_Spec],
+    has_packs: bool,
+    limits: Limits,
+    pack_questions: int = 0,
+    reads_images: bool = False,
 ) -> list[_Input]:
     if request.messages is None and request.inputs is None:
         raise _invalid("messages", "give messages (one content) or inputs (several contents)")
@@ -444,7 +557,8 @@ def _parse_inputs(
     if request.messages is not None:
         if not shared and not has_packs:
             raise _invalid("scoring.queries", "scoring.queries must not be empty")
-        inputs = [_Input("0", render_content(request.messages, "messages"), "messages", shared)]
+        text, images = _render(request.messages, "messages", limits, reads_images)
+        inputs = [_Input("0", text, "messages", shared, images)]
         _check_questions(inputs[0], "scoring.queries", limits, pack_questions)
         return inputs
     if len(request.inputs) > limits.max_inputs:
@@ -459,7 +573,7 @@ def _parse_inputs(
         if input_id in input_ids:
             raise _invalid(param + ".id", f"input ids must be unique; {input_id!r} is used twice")
         input_ids.add(input_id)
-        text = render_content(item.messages, param + ".messages")
+        text, images = _render(item.messages, param + ".messages", limits, reads_images)
         chosen = shared if item.query_ids is None else _choose(item.query_ids, by_id, param + ".query_ids")
         own = (
             []
@@ -468,7 +582,7 @@ def _parse_inputs(
         )
         if not chosen and not own and not has_packs:
             raise _invalid(param, f"{param} has no queries: give scoring.queries or the input's own queries")
-        inputs.append(_Input(input_id, text, param + ".messages", chosen + own))
+        inputs.append(_Input(input_id, text, param + ".messages", chosen + own, images))
         _check_questions(inputs[-1], param, limits, pack_questions)
     return inputs
 
@@ -640,9 +754,9 @@ def _build_query(
     return Query(spec.id, spec.slot, tuple(questions), spec.workload, tuple(spec.orders or ()))
 
 
-def _tokenize(tokenizer, inputs: list[_Input], specs: list[_Spec], extra=()) -> dict[str, tuple[int, ...]]:
+def _tokenize(tokenizer, contents: list[str], specs: list[_Spec]) -> dict[str, tuple[int, ...]]:
     """Tokens of every distinct string the request needs, in one batch (the tokenizer runs it in parallel)."""
-    wanted = dict.fromkeys([*(item.text for item in inputs), *extra])
+    wanted = dict.fromkeys(contents)
     for spec in specs:
         wanted.update(dict.fromkeys(spec.fills))
         wanted.update(dict.fromkeys(spec.options))
@@ -664,30 +778,44 @@ def compile_request(
     limits: Limits = Limits(),
     packs: Mapping[str, "CompiledPack"] | None = None,
     calibration: Calibration | None = None,
+    image_format: ImageFormat | None = None,
 ) -> CompiledRequest:
     """Check a decoded scoring request (spinf_jax.decoding) against SPEC section 1 and tokenise it, with the
     prompt packs it names among `packs` (spinf_jax.packs.compiled) and the workloads its queries name among
-    `calibration`'s; raises ScoringError."""
+    `calibration`'s, images read as `image_format` says (None: the model reads text only); raises
+    ScoringError."""
     asks = _resolve_packs(request.packs or [], packs or {})
+    fmt = image_format
     if request.scoring is None and not asks:
         raise _invalid("scoring", 'a scoring block is required: {"queries": [...]}')
     scoring = request.scoring or api.Scoring()
     shared = _parse_queries(scoring.queries or [], "scoring.queries", limits, set())
     pack_questions = sum(len(q.questions) for _, _, queries, _ in asks for q in queries)
-    inputs = _parse_inputs(request, shared, bool(asks), limits, pack_questions)
+    inputs = _parse_inputs(request, shared, bool(asks), limits, pack_questions, fmt is not None)
 
     # A scoring query that no input asks for is checked for structure but never tokenised.
     used = list({id(spec): spec for item in inputs for spec in item.specs}.values())
     for spec in used:
         _check_workload(spec, calibration, scoring)
     wrapped = [p.presentation for p, *_ in asks if not p.presentation.bare]
-    extra = [w.prefix + item.text + w.suffix for item in inputs for w in wrapped]
-    ids = _tokenize(tokenizer, inputs, used, extra)
+    texts = {item: [item.text, *(w.prefix + item.text + w.suffix for w in wrapped)] for item in inputs}
+    pieces = [  # an image's content is tokenised piece by piece between its images (_content_ids)
+        piece
+        for item, strings in texts.items()
+        for text in strings
+        for piece in (_image_pieces(text, item.images, item.param) + ["\n\n"] if item.images else [text])
+    ]
+    ids = _tokenize(tokenizer, pieces, used)
+
+    def content(item: _Input, text: str) -> tuple[tuple[int, ...], Images]:
+        return _content_ids(text, item.images, ids, fmt, item.param)
+
+    read = {item: content(item, item.text) for item in inputs}
     for item in inputs:
-        if len(ids[item.text]) > limits.max_content_tokens:
+        if len(read[item][0]) > limits.max_content_tokens:
             raise ScoringError(
                 "content_too_long",
-                f"the content is {len(ids[item.text])} tokens; at most {limits.max_content_tokens}",
+                f"the content is {len(read[item][0])} tokens; at most {limits.max_content_tokens}",
                 item.param,
             )
     needs_text = not tokenizer.prefix()
@@ -701,16 +829,17 @@ def compile_request(
                 spec.param + ".template",
             )
 
-    def pack_asks(text: str) -> tuple[PackAsk, ...]:
-        return tuple(
-            PackAsk(pack, categories, qs, None if pack.presentation.bare else
-                    tuple(ids[pack.presentation.prefix + text + pack.presentation.suffix]), cells)
-            for pack, categories, qs, cells in asks
-        )  # fmt: skip
+    def pack_asks(item: _Input) -> tuple[PackAsk, ...]:
+        asked = []
+        for pack, categories, qs, cells in asks:
+            w = pack.presentation
+            own = (None, ()) if w.bare else content(item, w.prefix + item.text + w.suffix)
+            asked.append(PackAsk(pack, categories, qs, own[0], cells, own[1]))
+        return tuple(asked)
 
     contents = tuple(
-        Content(item.input_id, ids[item.text], tuple(queries[id(spec)] for spec in item.specs), item.param,
-                pack_asks(item.text))
+        Content(item.input_id, read[item][0], tuple(queries[id(spec)] for spec in item.specs), item.param,
+                pack_asks(item), read[item][1])
         for item in inputs
     )  # fmt: skip
     return CompiledRequest(request.model, contents)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from spinf_jax import media
 from spinf_jax.answers import Vocabulary, vocabulary
 from spinf_jax.decisions import Decider
 from spinf_jax.extraction import CANDIDATES, Decoded, SlotSearch, path_columns
@@ -49,6 +50,8 @@ ENGINE_VERSION = "6"  # bump whenever the engine's arithmetic changes (it is par
 # Passes launched and not yet read back, at most (Engine.launch): the device runs one while the host launches
 # the next; each holds its outputs and temporaries on the device, so more would only take memory.
 IN_FLIGHT = 2
+# Images whose soft tokens the engine keeps (Engine.image_tokens): 2 MiB each at Gemma 3 12B's width in bf16.
+IMAGE_CACHE = 256
 KINDS = {"text": 0, "number": 1, "amount": 2}  # rows of the masks table; ENDS is its last row
 ENDS = 3
 # History columns of a decode step: an answer's tokens and its closing text. Fixed per width (one for
@@ -264,12 +267,15 @@ class Engine:
         self._floor_cache: OrderedDict[QuestionKey, np.ndarray] = OrderedDict()
         self._floor_cache_size = floor_cache
         self._floor_lock = threading.Lock()  # read on request threads, written by the engine thread
+        self._images: OrderedDict[str, jax.Array] = OrderedDict()  # image digest → soft tokens (LRU)
+        self._images_lock = threading.Lock()  # requests are planned on several threads
         self.on_pass = None  # optional callback(bucket size, seconds) after each pass, for metrics
         # Split once: the compiled step is a plain jax.jit over the weights' state, the module structure is
         # static. (Weights changed on model.decoder after this are not seen by this engine.)
         graphdef, self._weights = split(model.decoder)
         self._graphdef = graphdef
-        self._programs: dict[int, jax.stages.Compiled] = {}  # bucket size → its compiled pass
+        # (bucket size, whether its passes hold images) → its compiled pass
+        self._programs: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._warm: set[int] = set()  # bucket sizes whose program has run once (warmup)
         self._warm_extraction: set[int] = set()  # bucket sizes whose extraction programs have run
         # Extraction: a pass that also hands back its keys and values, then fixed-shape decode steps of
@@ -348,11 +354,33 @@ class Engine:
             trees.append(build_tree([0], [], questions))
         return trees
 
-    def program(self, size: int) -> jax.stages.Compiled:
-        """One bucket's compiled program, compiled on first use (warmup compiles them all)."""
-        if size not in self._programs:
-            self._programs[size] = self.lowered(size).compile()
-        return self._programs[size]
+    def program(self, size: int, args: tuple | None = None) -> jax.stages.Compiled:
+        """One bucket's compiled program, compiled on first use (warmup compiles them all). A pass with images
+        (its `args`, _pass_args') has a program of its own, compiled when the first such pass comes."""
+        key = (size, args is not None and args[1].media is not None)
+        if key not in self._programs:
+            lowered = self.lowered(size) if not key[1] else _score_pass.lower(*args, **self._static)
+            self._programs[key] = lowered.compile()
+        return self._programs[key]
+
+    @property
+    def _static(self) -> dict:
+        return {"graphdef": self._graphdef, "row_tile": self.model.row_tile}
+
+    def image_tokens(self, digest: str, data: bytes, param: str) -> jax.Array:
+        """An image's soft tokens [soft_tokens, hidden] on the device, from its file (`digest`: media.digest
+        of `data`; `param`: its field, for errors): decoded, preprocessed and read by the tower once per file
+        while it stays among the IMAGE_CACHE most recent. Raises media.MediaError."""
+        with self._images_lock:
+            if digest in self._images:
+                self._images.move_to_end(digest)
+                return self._images[digest]
+        soft = self.model.soft_tokens(self.model.image_format.pixels(media.open_image(data, param)))
+        with self._images_lock:
+            self._images[digest] = soft
+            while len(self._images) > IMAGE_CACHE:
+                self._images.popitem(last=False)
+        return soft
 
     def device_bytes_needed(self) -> int:
         """Device memory the largest passes need at their peak, by XLA's buffer assignment: the weights, and
@@ -377,12 +405,15 @@ class Engine:
         arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)
         recurrent = (p.parent, p.chunks, p.export_rows)
         batch = TreeBatch(*map(jnp.asarray, arrays), *map(jnp.asarray, recurrent))
+        if p.images:  # as many media rows as the pass has rows: one program per bucket
+            batch = batch.with_images(p.images, capacity=p.size)
         return self._weights, batch, (p.read_rows, p.target_read, p.target_token)
 
     def _launch_pass(self, p: Pass) -> tuple:
         """Launch a pass's program and its read chunks without waiting for them: (its targets' logits,
         [(normalisers, top tokens)] per chunk) on the device (_results reads them back)."""
-        picked, hidden = self.program(p.size)(*self._pass_args(p))
+        args = self._pass_args(p)
+        picked, hidden = self.program(p.size, args)(*args)
         return picked, self._read_chunks(p, hidden)
 
     def _read_chunks(self, p: Pass, hidden: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
@@ -411,7 +442,7 @@ class Engine:
     def lowered(self, size: int) -> jax.stages.Lowered:
         """One bucket's program, lowered, for inspection (`.compile().memory_analysis()`, `.as_text()`)."""
         args = self._pass_args(self._empty_pass(size))
-        return _score_pass.lower(*args, graphdef=self._graphdef, row_tile=self.model.row_tile)
+        return _score_pass.lower(*args, **self._static)
 
     def _empty_pass(self, size: int) -> Pass:
         return pack([build_tree([0], [], [])], self._bucket(size))[0]

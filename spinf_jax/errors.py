@@ -19,6 +19,12 @@ CODES: dict[str, tuple[int, str]] = {
     "option_boundary": (400, "an option merges with the end of its template: their tokens differ apart"),
     "template_too_long": (400, "a filled template of more than 256 tokens"),
     "unsupported_content": (400, "a content part this model cannot read (image, audio, ...)"),
+    "invalid_media": (
+        400,
+        "an image that is not a data:image/...;base64 URL, or a corrupt or oversized file",
+    ),
+    "unsupported_media": (400, "a data URL of a type that is not an image"),
+    "too_many_images": (400, "more than 16 images in one content"),
     "content_too_long": (400, "a content of more than 4,096 tokens"),
     "question_too_large": (400, "a content with one of its questions is larger than the largest bucket"),
     "too_many_questions": (400, "more than 10,000 questions (templates × combinations) for one content"),

@@ -18,10 +18,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spinf_jax.checkpoint import GGUFFile, SafetensorsFolder
-from spinf_jax.models import abstract_decoder
+from spinf_jax.media import ImageFormat
+from spinf_jax.models import abstract_decoder, abstract_tower
 from spinf_jax.models.decoder import Decoder, hidden_states, split
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.models.params import Kind, params, per_source, stacked_shape, stored_as
+from spinf_jax.models.siglip import VisionTower
 from spinf_jax.progress import Progress, Steps
 from spinf_jax.quant import Precision, QuantArray, Weight, quantize
 from spinf_jax.quantized import SCALE_SUFFIX, written_precision
@@ -238,6 +240,8 @@ class Model:
     tokenizer: Tokenizer | None
     digest: str = ""  # checkpoint_digest of what was loaded
     load_seconds: float = 0.0
+    vision: VisionTower | None = None  # the images' tower, for models that read images
+    image_format: ImageFormat | None = None  # how they are preprocessed and stand in the content
     # Row-local work in tiles of this many rows (see models.layers.by_rows); None runs each pass's rows at
     # once, which is row-invariant on no backend we measured (docs/batch-invariance.md).
     row_tile: int | None = field(default_factory=default_row_tile)
@@ -260,6 +264,16 @@ class Model:
                 lambda graphdef, weights, *a: fn(nnx.merge(graphdef, weights), *a), static_argnums=0
             )
         return jitted(*split(self.decoder), *args)
+
+    def soft_tokens(self, pixels) -> jax.Array:
+        """An image's soft tokens [soft_tokens, hidden] from its pixels [3, H, W] (ImageFormat.pixels): the
+        input embeddings of its rows in a pass (TreeBatch.with_images). One image a call, one program."""
+        if self.vision is None:
+            raise ValueError(f"{self.name} reads no images")
+        jitted = self._jitted.get("vision")
+        if jitted is None:
+            jitted = self._jitted["vision"] = jax.jit(lambda g, w, p: nnx.merge(g, w)(p), static_argnums=0)
+        return jitted(*split(self.vision), jnp.asarray(pixels))
 
     def hidden(self, batch: TreeBatch) -> jax.Array:
         """[T, hidden] final hidden states of a packed pass."""
@@ -300,9 +314,14 @@ def load_model(
     precision = precision or written_precision(checkpoint.config) or Precision.BF16
     decoder = abstract_decoder(checkpoint.config, precision)
     load_weights(decoder, checkpoint, progress)
+    vision = abstract_tower(checkpoint.config, precision)
+    if vision is not None:
+        load_weights(vision, checkpoint, progress)
+    image_format = ImageFormat.from_checkpoint(checkpoint.config, path) if vision is not None else None
     tokenizer = _tokenizer(checkpoint)
     digest = checkpoint_digest(path)
-    return Model(spec, decoder, tokenizer, digest, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return Model(spec, decoder, tokenizer, digest, seconds, vision=vision, image_format=image_format)
 
 
 def random_model(

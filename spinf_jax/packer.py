@@ -146,6 +146,7 @@ class Pass:
     target_offset: list[int]  # per tree: where its targets start in target_read / target_token
     read_offset: list[int]  # per tree: where its reads start in read_rows
     row_offset: list[int]  # per tree: its first row
+    images: list[tuple[int, object]] = field(default_factory=list)  # (first row, soft tokens), Tree.images
 
 
 def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int, int, int]:
@@ -154,10 +155,15 @@ def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int, int, int]:
 
 
 def content_trees(
-    prefix: list[int], content_ids: list[int], questions: list[QuestionKey], buckets: Buckets
+    prefix: list[int],
+    content_ids: list[int],
+    questions: list[QuestionKey],
+    buckets: Buckets,
+    images: tuple = (),
 ) -> list[tuple[Tree, int]]:
-    """The trees of one content: usually one; more (each with the trunk) when its questions overflow the
-    largest bucket. Returns (tree, index of its first question). Depends on the content alone."""
+    """The trees of one content (with its images, build_tree's): usually one; more (each with the trunk) when
+    its questions overflow the largest bucket. Returns (tree, index of its first question). Depends on the
+    content alone."""
     trunk = buckets.aligned(len(prefix) + len(content_ids))
     trunk_chunks = -(-(len(prefix) + len(content_ids)) // RECURRENT_CHUNK) if buckets.recurrent else 0
     groups, current, tokens, reads, targets, chunks, slots = [], [], 0, 0, 0, trunk_chunks, 0
@@ -182,7 +188,7 @@ def content_trees(
     groups.append(current)
     out, first = [], 0
     for group in groups:
-        tree = build_tree(prefix, content_ids, group)
+        tree = build_tree(prefix, content_ids, group, images)
         if not buckets.fits(buckets.largest, *_cost(tree, buckets)):
             raise ValueError(
                 f"a content with one question needs {len(tree)} tokens; largest bucket is {buckets.largest}"
@@ -192,9 +198,12 @@ def content_trees(
     return out
 
 
-def read_trees(token_ids: list[int], reads: dict[int, list[int]], buckets: Buckets) -> list[Tree]:
-    """The trees that read one sequence at the rows of `reads`: usually one; more (each the whole sequence,
-    reading a run of the rows) when the reads overflow the largest bucket's capacities."""
+def read_trees(
+    token_ids: list[int], reads: dict[int, list[int]], buckets: Buckets, images: tuple = ()
+) -> list[Tree]:
+    """The trees that read one sequence (with its images, read_tree's) at the rows of `reads`: usually one;
+    more (each the whole sequence, reading a run of the rows) when the reads overflow the largest bucket's
+    capacities."""
     trees, group, targets = [], {}, 0
     size = buckets.largest
     if buckets.aligned(len(token_ids)) > size:
@@ -202,11 +211,11 @@ def read_trees(token_ids: list[int], reads: dict[int, list[int]], buckets: Bucke
     for row, tokens in reads.items():
         wanted = len(set(tokens))
         if group and not buckets.fits(size, len(token_ids), len(group) + 1, targets + wanted):
-            trees.append(read_tree(token_ids, group))
+            trees.append(read_tree(token_ids, group, images))
             group, targets = {}, 0
         group[row] = tokens
         targets += wanted
-    return [*trees, read_tree(token_ids, group)]
+    return [*trees, read_tree(token_ids, group, images)]
 
 
 def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
@@ -262,6 +271,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
     target_read = np.zeros(buckets.max_targets(size), np.int32)
     target_token = np.zeros(buckets.max_targets(size), np.int32)
     offset, n_reads, n_targets, target_offset, read_offset, row_offset = 0, 0, 0, [], [], []
+    images = []
     for i in tree_ids:
         tree = trees[i]
         n = len(tree)
@@ -289,6 +299,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
         target_offset.append(n_targets)
         read_offset.append(n_reads)
         row_offset.append(offset)
+        images += [(offset + row, soft) for row, soft in tree.images]
         offset += buckets.aligned(n)
         n_reads += len(tree.read_rows)
         n_targets += len(tree.targets)
@@ -311,6 +322,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
         target_offset,
         read_offset,
         row_offset,
+        images,
     )
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from spinf_jax import media
 from spinf_jax.engine import Engine
 from spinf_jax.layout import Extract, QuestionKey, build_tree
 from spinf_jax.loader import Model, load_model
@@ -25,6 +26,7 @@ from spinf_jax.packer import Buckets, default_sizes, read_trees
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = REPO / "fixtures" / "manifest.json"
+MEDIA = REPO / "fixtures" / "media"  # the images the references' prompts hold
 
 
 @dataclass
@@ -84,10 +86,25 @@ def score_reference(engine: Engine, prompts: list[dict]) -> tuple[np.ndarray, np
         ids, top = p["token_ids"], p["top_ids"]
         # Per position: the next token (the top-1 at the end), then the recorded top-k.
         wanted = {t: [ids[t + 1] if t + 1 < len(ids) else top[t][0], *top[t]] for t in range(len(ids))}
-        trees += read_trees(ids, wanted, engine.buckets)
+        trees += read_trees(ids, wanted, engine.buckets, _images(engine, p))
     scored = engine.score_trees(trees)
     logprobs = [s.option_logprobs(i) for s in scored for i in range(len(s.tree.read_rows))]
     return np.asarray(logprobs, np.float32), np.concatenate([s.top_tokens for s in scored])
+
+
+def _images(engine: Engine, prompt: dict) -> tuple:
+    """A recorded prompt's images (files in fixtures/media, named in order) as read_tree takes them: each at
+    the row after its start token."""
+    names = prompt.get("images", [])
+    if not names:
+        return ()
+    fmt = engine.model.image_format
+    rows = [i + 1 for i, token in enumerate(prompt["token_ids"]) if token == fmt.start_id]
+    files = [(MEDIA / name).read_bytes() for name in names]
+    return tuple(
+        (row, engine.image_tokens(media.digest(data), data, name))
+        for row, name, data in zip(rows, names, files, strict=True)
+    )
 
 
 def reference_buckets(row_tile: int | None = None) -> Buckets:

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from spinf_jax import api, orderings
+from spinf_jax import api, media, orderings
 from spinf_jax.answers import parse_amount, parse_number
 from spinf_jax.calibration import Calibration, Workload, apply_temperature
-from spinf_jax.compiler import CompiledRequest, Limits, PackAsk, Query, Question, compile_request
+from spinf_jax.compiler import CompiledRequest, Images, Limits, PackAsk, Query, Question, compile_request
 from spinf_jax.decoding import convert
 from spinf_jax.errors import ScoringError
 from spinf_jax.extraction import Decoded
@@ -30,6 +30,8 @@ from spinf_jax.packer import content_trees
 from spinf_jax.packs import rules
 
 if TYPE_CHECKING:
+    import jax
+
     from spinf_jax.engine import Engine, Scored
     from spinf_jax.packs.compiled import CompiledPack
 
@@ -59,7 +61,7 @@ class Plan:
         return sum(
             len(query.questions)
             for c in self.request.contents
-            for _, queries in c.reads()
+            for *_, queries in c.reads()
             for query in queries
         )
 
@@ -89,22 +91,24 @@ class Scorer:
             raise ValueError("scoring text needs a model with a tokenizer (score_trees works on token ids)")
         if not isinstance(body, api.ScoreRequest):
             body = convert(body, api.ScoreRequest)
-        request = compile_request(body, tokenizer, self.limits, self.packs, self.calibration)
+        fmt = self.engine.model.image_format
+        request = compile_request(body, tokenizer, self.limits, self.packs, self.calibration, fmt)
         budget = _TokenBudget(self.limits.max_request_tokens)
         prefix = tokenizer.prefix()
         trees, owners, wanted = [], [], {}
 
-        def read(content_ids, queries, param) -> list[Tree]:
+        def read(content_ids, queries, param, images: Images = ()) -> list[Tree]:
             keys = [q.key for query in queries for q in query.questions]
+            soft = tuple((row, self._image_tokens(image)) for row, image in images)
             try:
-                chunks = content_trees(prefix, list(content_ids), keys, self.engine.buckets)
+                chunks = content_trees(prefix, list(content_ids), keys, self.engine.buckets, soft)
             except ValueError as e:
                 raise ScoringError("question_too_large", str(e), param) from e
             return budget.spend(tree for tree, _ in chunks)
 
         for c, content in enumerate(request.contents):
-            for part, (content_ids, queries) in enumerate(content.reads()):
-                chunks = read(content_ids, queries, content.param)
+            for part, (content_ids, images, queries) in enumerate(content.reads()):
+                chunks = read(content_ids, queries, content.param, images)
                 trees += chunks
                 owners += [(c, part)] * len(chunks)
                 if part == 0:  # a wrapping pack's floor is its wrapper around empty content (below)
@@ -123,6 +127,12 @@ class Scorer:
             pack_floors += [pack_id] * len(chunks)
         return Plan(request, trees, owners, missing, floors, pack_floors)
 
+    def _image_tokens(self, image) -> "jax.Array":
+        try:
+            return self.engine.image_tokens(image.digest, image.data, image.param)
+        except media.MediaError as e:
+            raise ScoringError(e.code, str(e), image.param + ".image_url.url") from None
+
     def finish(self, plan: Plan, scored: list["Scored"]) -> api.ScoreResponse:
         """The response of a plan whose trees were scored (in the plan's order)."""
         n, f = len(plan.owners), len(plan.owners) + len(plan.floor_keys)
@@ -139,6 +149,7 @@ class Scorer:
             query_tokens=sum(len(t) - t.trunk_tokens for t in by_content),
             floor_tokens=sum(len(t) for t in plan.trees[n:]),
             decode_tokens=sum(result.decode_tokens for result in scored),
+            image_tokens=sum(soft.shape[0] for t in by_content for _, soft in t.images),
         )
         per_read: list[list[list]] = [[[] for _ in c.reads()] for c in plan.request.contents]
         for (c, part), result in zip(plan.owners, scored[:n], strict=True):

@@ -17,6 +17,7 @@ from spinf_jax.scoring import Scorer
 from spinf_jax.server import app as app_module
 from spinf_jax.server.app import Server, Settings, create_app
 from spinf_jax.server.runner import Runner
+from tests import engines, test_media
 from tests.serving import loaded
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,6 +70,10 @@ def test_an_undefined_code_cannot_be_raised():
 
 YES_NO = {"id": "q", "template": "\n\nAnswer:{?}", "options": [" yes", " no"]}
 MESSAGES = [{"role": "user", "content": "Hello there."}]
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _body(*queries, **top) -> dict:
@@ -220,6 +225,19 @@ def test_server_codes_are_reachable(client, monkeypatch):
     with pytest.raises(ScoringError) as e:
         Format(server.engine.model.tokenizer)
     reached.add(e.value.code)
+
+    # Images, on a model that reads them (tests/test_media.py serves these too).
+    scorer = Scorer(engines.engine("gemma3-vision"), packs={})
+    parts = {
+        "invalid_media": [_image("data:image/png;base64,AAAA")],  # three zero bytes: no image
+        "unsupported_media": [_image("data:audio/wav;base64,AAAA")],
+        "too_many_images": [_image("data:image/png;base64,AAAA")] * 17,
+    }
+    for code, content in parts.items():
+        with pytest.raises(ScoringError) as e:
+            scorer.plan({"messages": [{"content": content}], "scoring": {"queries": [test_media.QUERY]}})
+        assert e.value.code == code
+        reached.add(e.value.code)
 
     unreached = set(CODES) - set(REQUESTS) - set(DECISIONS) - reached
     assert not unreached

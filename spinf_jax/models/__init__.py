@@ -9,6 +9,8 @@ from spinf_jax.models.gemma3 import Gemma3
 from spinf_jax.models.gemma4 import Gemma4
 from spinf_jax.models.llama import Llama
 from spinf_jax.models.qwen3_5 import Qwen3_5
+from spinf_jax.models.siglip import Config as VisionConfig
+from spinf_jax.models.siglip import VisionTower
 from spinf_jax.quant import Precision
 
 _FAMILIES: dict[str, type[Decoder]] = {
@@ -40,3 +42,13 @@ def abstract_decoder(hf_config: dict, precision: Precision | str) -> Decoder:
     family = family_for(hf_config)
     config = family.Config.from_hf(hf_config)
     return nnx.eval_shape(lambda: family(config, Precision(precision)))
+
+
+def abstract_tower(hf_config: dict, precision: Precision | str) -> VisionTower | None:
+    """The vision tower of a checkpoint whose images we read (Gemma 3's), abstract as abstract_decoder's
+    model; None for every other checkpoint: text-only models, and multimodal families whose towers are not
+    built yet, which then read text only."""
+    if hf_config.get("model_type") != "gemma3" or "vision_config" not in hf_config:
+        return None
+    config = VisionConfig.from_hf(hf_config)
+    return nnx.eval_shape(lambda: VisionTower(config, Precision(precision)))

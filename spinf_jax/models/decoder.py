@@ -97,6 +97,8 @@ class Decoder(nnx.Module):
         keep_kv=False keeps only those another layer reads (a scan's outputs stay alive to its end, where XLA
         would free an unrolled layer's keys as soon as nothing reads them)."""
         x, per_layer = by_rows(self._inputs, row_tile, batch.tokens)
+        if isinstance(batch, TreeBatch) and batch.media is not None:
+            x = _place_media(x, batch.media, batch.media_row)
         read = {j for i in range(self.num_layers) if (j := self.kv_source(i)) != i}  # layers others read
         kv, entering = [], []
         for s, stack in enumerate(self.stacks):
@@ -207,6 +209,13 @@ class Decoder(nnx.Module):
         never captures, so its programs hold no extra outputs)."""
         if capture is not None:
             self.sow(nnx.Intermediate, "hidden", x[capture])
+
+
+def _place_media(x: jax.Array, media: jax.Array, media_row: jax.Array) -> jax.Array:
+    """The input embeddings x [T, hidden] with an image's rows replaced by its soft tokens, as they are
+    (transformers scatters them after the embedding and its scale)."""
+    soft = media[jnp.maximum(media_row, 0)].astype(x.dtype)
+    return jnp.where((media_row >= 0)[:, None], soft, x)
 
 
 def split(decoder: Decoder) -> tuple[nnx.GraphDef, dict]:

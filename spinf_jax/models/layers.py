@@ -1,5 +1,6 @@
 """Building blocks shared by the model families: the packed tree batch, norms, rotary embeddings, MLP."""
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -34,6 +35,9 @@ class TreeBatch:
     in a pass with extraction slots they hand the states at `export_rows` to decoding. All three are empty
     for models without such layers.
 
+    An image's soft tokens (spinf_jax.models.siglip) enter as the input embeddings of its rows in the trunk
+    (`media`, `media_row`), and those rows also see the rest of their image (`reach`).
+
     Attention reads a row's keys in two parts (pallas_kernels.tree_attention): the trunk of its tree, in key
     blocks of T // len(tree_start_block) tokens counted from the tree's first block (trees start on block
     boundaries), then the row's own branch (one question: its template and option trie), in key blocks
@@ -51,6 +55,10 @@ class TreeBatch:
     parent: jax.Array  # [T] int32, -1 where a row has none (or [0])
     chunks: jax.Array  # [N, 4] int32: first row, rows, start, keep (or [0, 4])
     export_rows: jax.Array  # [X] int32: the extraction slots' rows, whose recurrent states decoding reads
+    # Passes with images only (None in the others, whose programs stay as they were):
+    reach: jax.Array | None = None  # [T] int32: a row sees keys j < reach (i + 1; an image's rows: its end)
+    media: jax.Array | None = None  # [M, hidden]: soft tokens, the input embeddings of rows `media_row`
+    media_row: jax.Array | None = None  # [T] int32: each row's row of `media`, -1 for its token's embedding
 
     @property
     def block(self) -> int:
@@ -88,6 +96,24 @@ class TreeBatch:
             *map(jnp.asarray, arrays), jnp.zeros(total // block, jnp.int32), *map(jnp.asarray, recurrent)
         )
         return batch, starts
+
+    def with_images(self, images: list[tuple[int, jax.Array]], capacity: int | None = None) -> "TreeBatch":
+        """This pass with images in it: (the row of an image's first soft token, its soft tokens [n, hidden])
+        each; their rows see the whole image. `capacity`: rows of `media` (their count by default)."""
+        t = self.tokens.shape[0]
+        reach = np.arange(1, t + 1, dtype=np.int32)
+        media_row = np.full(t, -1, np.int32)
+        taken = 0
+        for row, soft in images:
+            n = soft.shape[0]
+            reach[row : row + n] = row + n
+            media_row[row : row + n] = np.arange(taken, taken + n)
+            taken += n
+        media = jnp.concatenate([soft for _, soft in images])
+        media = jnp.pad(media, ((0, (capacity or taken) - taken), (0, 0)))
+        return dataclasses.replace(
+            self, reach=jnp.asarray(reach), media=media, media_row=jnp.asarray(media_row)
+        )
 
     @staticmethod
     def sequence(tokens, block: int = 128) -> "TreeBatch":
@@ -153,7 +179,7 @@ def attention(q, k, v, batch: Batch, *, scale: float, window: int | None = None)
             )  # fmt: skip
         args = (q, k, v, b.positions, b.span_end, b.trunk_end, b.branch_start, b.tree_start_block)
         attend = kernel if jax.default_backend() == "gpu" else blockwise
-        return attend(*args, scale=scale, window=window, block=batch.block)
+        return attend(*args, scale=scale, window=window, block=batch.block, reach=b.reach)
 
 
 def by_rows(fn, tile: int | None, *arrays):

@@ -20,13 +20,16 @@ class Kind(StrEnum):
     # A mixture of experts' router [experts, hidden]: small, and it picks the experts, so it stays in the
     # activation dtype (bf16 at fp8 / int8) rather than move a token to another expert by rounding.
     ROUTER = "router"
+    # A media encoder's matrices (spinf_jax.models.siglip): bf16 at fp8 / int8. It runs once per image, a
+    # small share of the work, and its rounding would reach every soft token of the image.
+    TOWER = "tower"
 
 
 def stored_as(kind: Kind, precision: Precision) -> Precision:
     """The form a weight is kept in when the model runs at `precision`."""
     if kind in (Kind.NORM, Kind.BIAS):
         return Precision.FP32
-    if kind is Kind.ROUTER and precision in (Precision.FP8, Precision.INT8):
+    if kind in (Kind.ROUTER, Kind.TOWER) and precision in (Precision.FP8, Precision.INT8):
         return Precision.BF16
     if kind is Kind.EMBED and precision in (Precision.FP8, Precision.INT8):
         # The embedding doubles as the LM head, which runs only at the few positions read: bf16 costs little

@@ -2,7 +2,6 @@
 on worker threads and scored by the engine thread (runner.Runner); handlers only await futures."""
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -350,7 +349,10 @@ async def health(request: Request) -> Response[api.Health]:
     if engine:
         body.system_fingerprint = engine.fingerprint
         body.buckets = list(engine.buckets.sizes)
-        body.limits = {**dataclasses.asdict(server.scorer.limits), "max_body_bytes": MAX_BODY}
+        body.limits = {
+            **server.scorer.limits.reported(engine.model.image_format is not None),
+            "max_body_bytes": MAX_BODY,
+        }
         body.packs = [describe(p.loaded) for p in server.packs.values()]
         calibration = server.settings.calibration
         body.workloads = {n: w.temperature for n, w in calibration.workloads.items()} if calibration else None

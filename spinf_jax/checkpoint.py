@@ -208,4 +208,6 @@ class GGUFFile:
             if name.endswith("attn_qkv.weight") and f"blk.{layer}.ssm_a" not in self.tensors:
                 raise ValueError(f"{self.path}: fused q/k/v ({name}, --fuse-qkv) are not supported")
             if name.endswith("ffn_gate_up_exps.weight") and self.arch != "gemma4":
-                raise ValueError(f"{self.path}: fused expert gate/up ({name}) are not supported")
+                raise ValueError(
+                    f"{self.path}: fused expert gate/up ({name}, --fuse-gate-up-exps) are not supported"
+                )

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from spinf_jax import parity
+from spinf_jax import checkpoint, parity
 from spinf_jax.loader import load_model, open_checkpoint, random_model
 from spinf_jax.models import abstract_decoder
 from spinf_jax.models.layers import TreeBatch
@@ -215,6 +215,53 @@ def test_a_gguf_from_llama_cpp_holds_its_checkpoint(family):
             atol = 2**-22 if _undone_in_f32(family, name) else 0
             np.testing.assert_allclose(ours.get(name), expected, rtol=0, atol=atol, err_msg=name, strict=True)
             assert shaped.shape == expected.shape, name
+
+
+_READ_GGUF = checkpoint._read_gguf
+
+
+def _reading(monkeypatch, path: Path, fields: dict | None = None, drop=(), add=()):
+    """GGUFFile(path) as if the file's metadata had `fields` and its tensors lacked `drop` and had `add`
+    (names only)."""
+    real_fields, tensors = _READ_GGUF(path)
+    some = tensors["token_embd.weight"]
+    tensors = {n: t for n, t in tensors.items() if n not in drop} | dict.fromkeys(add, some)
+    monkeypatch.setattr(checkpoint, "_read_gguf", lambda _: (real_fields | (fields or {}), tensors))
+    return checkpoint.GGUFFile(path)
+
+
+def test_a_qwen3_5_gguf_with_its_mtp_layer_reads_the_decoder_alone(monkeypatch):
+    """Converted without --no-mtp, a Qwen3.5 GGUF counts its multi-token-prediction layer in block_count (and
+    writes it as blk.{L}.nextn.* and layer L's usual tensors), and says so in nextn_predict_layers: the
+    decoder is the layers before it. (A file the converter wrote from the tiny fixture with an MTP layer
+    added read back as the fixture, every tensor; it is not kept here, for size.)"""
+    path = CONVERTED["qwen3_5"][0]
+    plain = checkpoint.GGUFFile(path).config
+    recurrent = [t == "linear_attention" for t in plain["layer_types"]]
+    mtp = {
+        "qwen35.block_count": 5,
+        "qwen35.nextn_predict_layers": 1,
+        "qwen35.attention.recurrent_layers": [*recurrent, False],
+    }
+    assert _reading(monkeypatch, path, mtp).config == plain
+
+
+def test_what_llama_cpp_can_write_but_we_do_not_run_is_refused(monkeypatch):
+    """A file's metadata or tensors changed as llama.cpp could write them: a qwen3moe layer without experts,
+    the converter's optional fusions, rope scaling where the family runs none, partial rope on Gemma 4's
+    sliding layers. Each is a ValueError that says why."""
+    qwen3_moe, qwen3_5_moe = CONVERTED["qwen3_moe"][0], CONVERTED["qwen3_5_moe"][0]
+    with pytest.raises(ValueError, match=r"layers \[1\] have no experts"):
+        _reading(monkeypatch, qwen3_moe, drop=["blk.1.ffn_gate_inp.weight"])
+    with pytest.raises(ValueError, match="fused q/k/v .*--fuse-qkv"):
+        _reading(monkeypatch, qwen3_moe, add=["blk.0.attn_qkv.weight"])
+    with pytest.raises(ValueError, match="fused expert gate/up .*--fuse-gate-up-exps"):
+        _reading(monkeypatch, qwen3_5_moe, add=["blk.0.ffn_gate_up_exps.weight"])
+    with pytest.raises(ValueError, match="rope scaling 'yarn'"):
+        _reading(monkeypatch, qwen3_5_moe, {"qwen35moe.rope.scaling.type": "yarn"})
+    gemma4 = CONVERTED["gemma4-moe"][0]
+    with pytest.raises(ValueError, match="partial rope on Gemma 4's sliding layers"):
+        _reading(monkeypatch, gemma4, {"gemma4.rope.dimension_count_swa": 16})
 
 
 def _undone_in_f32(family: str, name: str) -> bool:

@@ -12,6 +12,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from spinf_jax.gguf_families import FAMILIES
+
 
 class SafetensorsFolder:
     """config.json + model.safetensors, or shards listed in model.safetensors.index.json."""
@@ -69,25 +71,6 @@ def _read_float8(path: Path, name: str) -> np.ndarray:
     start, end = info["data_offsets"]
     data = np.memmap(path, np.uint8, mode="r", offset=8 + size + start, shape=(end - start,))
     return data.view(ml_dtypes.float8_e4m3fn).reshape(info["shape"])
-
-
-# Hugging Face tensor names → GGUF names (llama.cpp's convention). Gemma 3 has four norms per layer where
-# Llama has two, and llama.cpp reuses "ffn_norm" for the norm before the MLP in both.
-_GGUF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-}
-_GGUF_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
 # GGUF metadata value types: struct formats of the scalars, numpy dtypes for arrays of them; 8 is a string,
@@ -177,85 +160,67 @@ def _read_gguf(path: Path) -> tuple[dict, dict]:
     return fields, tensors
 
 
-class GGUFFile:
-    """A llama.cpp GGUF file, dequantized tensor by tensor to f32 (via the `gguf` package).
+_REQUIRED = object()
 
-    llama.cpp's converter changes two things that we undo: for Llama it permutes the rows of q/k so that
-    rope pairs adjacent elements, and for Gemma it stores norm weights as (1 + w).
+
+class GGUFFile:
+    """A llama.cpp GGUF file, dequantized tensor by tensor to f32 (via the `gguf` package), under Hugging
+    Face's names and values: what llama.cpp's converter changed is undone per family
+    (spinf_jax.gguf_families). An expert's tensor is read alone from its layer's stack, so a layer's experts
+    are not all dequantized at once.
     """
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.fields, self.tensors = _read_gguf(self.path)
         self.arch = self.field("general.architecture")
-        self.config = self._hf_config()
+        if self.arch not in FAMILIES:
+            raise ValueError(
+                f"GGUF architecture {self.arch!r} is not supported; supported: {sorted(FAMILIES)}"
+            )
+        self.family = FAMILIES[self.arch]
+        self._refuse_fused_tensors()
+        self.config = self.family.config(self)
 
     def field(self, key: str, default=None):
         return self.fields.get(key, default)
 
-    def _hf_config(self) -> dict:
-        a = self.arch
-        hidden = self.field(f"{a}.embedding_length")
-        heads = self.field(f"{a}.attention.head_count")
-        c = {
-            "vocab_size": len(self.fields["tokenizer.ggml.tokens"]),
-            "hidden_size": hidden,
-            "intermediate_size": self.field(f"{a}.feed_forward_length"),
-            "num_hidden_layers": self.field(f"{a}.block_count"),
-            "num_attention_heads": heads,
-            "num_key_value_heads": self.field(f"{a}.attention.head_count_kv", heads),
-            "rms_norm_eps": self.field(f"{a}.attention.layer_norm_rms_epsilon"),
-            "rope_theta": self.field(f"{a}.rope.freq_base", 1e4),
-            "tie_word_embeddings": "output.weight" not in self.tensors,
-        }
-        scaling = self.field(f"{a}.rope.scaling.type")
-        if scaling and scaling != "none":
-            c["rope_scaling"] = {"rope_type": scaling, "factor": self.field(f"{a}.rope.scaling.factor")}
-        if a == "gemma3":
-            head_dim = self.field(f"{a}.attention.key_length")
-            # GGUF does not record query_pre_attn_scalar; llama.cpp scales by head_dim^-0.5, which equals
-            # it for every Gemma 3 size but 27B.
-            c |= {
-                "model_type": "gemma3_text",
-                "head_dim": head_dim,
-                "query_pre_attn_scalar": head_dim,
-                "sliding_window": self.field(f"{a}.attention.sliding_window"),
-                "rope_local_base_freq": 1e4,
-            }
-        elif a in ("llama", "qwen2", "qwen3"):
-            c |= {"model_type": a, "head_dim": self.field(f"{a}.attention.key_length", hidden // heads)}
-        else:
-            raise ValueError(f"GGUF architecture {a!r} is not supported")
-        return c
+    def meta(self, key: str, default=_REQUIRED):
+        """The architecture's metadata value `key` (`{arch}.{key}`); without a default, it must be there."""
+        value = self.fields.get(f"{self.arch}.{key}", default)
+        if value is _REQUIRED:
+            raise ValueError(f"{self.path}: metadata {self.arch}.{key} is missing")
+        return value
 
-    def _gguf_name(self, name: str) -> str:
-        base, _, suffix = name.rpartition(".")  # suffix: weight / bias
-        if base.startswith("model.layers."):
-            _, _, idx, rest = base.split(".", 3)
-            if rest == "post_attention_layernorm":
-                # Gemma 3: a norm after attention; Llama/Qwen: the norm before the MLP.
-                short = "post_attention_norm" if self.arch == "gemma3" else "ffn_norm"
-            else:
-                short = _GGUF_LAYER_NAMES[rest]
-            return f"blk.{idx}.{short}.{suffix}"
-        return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"
+    def shape(self, gguf_name: str) -> tuple[int, ...]:
+        """A tensor's shape in numpy's order (GGUF lists dimensions innermost first)."""
+        return tuple(reversed(self.tensors[gguf_name][1]))
+
+    def dequantized(self, gguf_name: str, expert: int | None = None) -> np.ndarray:
+        """A GGUF tensor as f32, or one expert's [.., ..] of a stacked [experts, .., ..] tensor (its rows are
+        contiguous in the file)."""
+        qtype, _, data = self.tensors[gguf_name]
+        shape = self.shape(gguf_name)
+        if expert is not None:
+            rows = data.shape[0] // shape[0]
+            data, shape = data[expert * rows : (expert + 1) * rows], shape[1:]
+        return gguf.quants.dequantize(data, qtype).astype(np.float32, copy=False).reshape(shape)
 
     def get(self, name: str) -> np.ndarray:
-        gname = self._gguf_name(name)
-        if gname not in self.tensors:
-            raise KeyError(f"tensor {gname!r} ({name}) not found in {self.path}")
-        qtype, dims, data = self.tensors[gname]
-        w = gguf.quants.dequantize(data, qtype).astype(np.float32, copy=False)
-        w = w.reshape(tuple(reversed(dims)))
-        if self.arch == "llama" and ("attn_q." in gname or "attn_k." in gname):
-            heads = self.config["num_attention_heads" if "attn_q." in gname else "num_key_value_heads"]
-            w = _unpermute_rope_rows(w, heads)
-        if self.arch == "gemma3" and gname.endswith("norm.weight"):
-            w = w - 1.0
-        return w
+        gguf_name, expert = self.family.gguf_name(name)
+        if gguf_name not in self.tensors:
+            raise KeyError(f"tensor {gguf_name!r} ({name}) not found in {self.path}")
+        return self.family.undo(name, self.dequantized(gguf_name, expert), self.config)
 
-
-def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation: per head it interleaved the two rotate-half halves."""
-    half = w.shape[0] // heads // 2
-    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    def _refuse_fused_tensors(self) -> None:
+        """Refuse what the converter's --fuse-qkv and --fuse-gate-up-exps join, which Hugging Face keeps apart
+        (Qwen3.5 linear attention's own attn_qkv, with ssm_a beside it, and Gemma 4's fused experts are not
+        these)."""
+        for name in self.tensors:
+            layer = name.split(".")[1] if name.startswith("blk.") else None
+            if name.endswith("attn_qkv.weight") and f"blk.{layer}.ssm_a" not in self.tensors:
+                raise ValueError(f"{self.path}: fused q/k/v ({name}, --fuse-qkv) are not supported")
+            if name.endswith("ffn_gate_up_exps.weight") and self.arch != "gemma4":
+                raise ValueError(
+                    f"{self.path}: fused expert gate/up ({name}, --fuse-gate-up-exps) are not supported"
+                )

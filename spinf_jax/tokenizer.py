@@ -111,7 +111,7 @@ class Tokenizer:
     @staticmethod
     def from_gguf(gguf_file) -> "Tokenizer":
         """Build the tokenizer from a GGUF file's metadata (vocabulary, scores or merges, special ids)."""
-        if gguf_file.field("tokenizer.ggml.model") == "llama":
+        if gguf_file.field("tokenizer.ggml.model") in ("llama", "gemma4"):
             backend = _sentencepiece_bpe(gguf_file)
         else:  # byte-level BPE with merges in the file (gpt2-style): transformers' converter reads it
             fields = {}
@@ -119,7 +119,9 @@ class Tokenizer:
                 value = gguf_file.field("tokenizer." + key)
                 if value is not None:
                     fields[name] = list(value) if isinstance(value, list | np.ndarray) else value
-            backend = GGUF_TO_FAST_CONVERTERS[gguf_file.config["model_type"]](fields).converted()
+            model_type = gguf_file.config["model_type"]
+            converter = GGUF_TO_FAST_CONVERTERS[_SAME_TOKENIZER_AS.get(model_type, model_type)]
+            backend = converter(fields).converted()
         return Tokenizer(
             backend,
             gguf_file.field("tokenizer.ggml.bos_token_id"),
@@ -127,6 +129,10 @@ class Tokenizer:
             gguf_file.field("tokenizer.chat_template"),
             gguf_file.field("tokenizer.ggml.eos_token_id"),
         )
+
+
+# transformers has no GGUF tokenizer converter under these model types: theirs is another family's.
+_SAME_TOKENIZER_AS = {"qwen3_5_moe_text": "qwen3_5_text"}
 
 
 def _special_id(backend: tokenizers.Tokenizer, token: str | dict | None) -> int | None:
@@ -147,35 +153,24 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 def _sentencepiece_bpe(gguf_file) -> tokenizers.Tokenizer:
-    """A SentencePiece BPE vocabulary (GGUF tokenizer model "llama", e.g. Gemma 3) as a `tokenizers` BPE.
-
-    SentencePiece stores scores, not merges. A merge (left, right) exists wherever both halves of a piece
-    are pieces; merges apply in order of the merged piece's score, longer left halves first, then vocabulary
-    order. llama.cpp writes user-defined pieces with score -1000 where SentencePiece gives them 0, so they
-    count as 0 here. This reproduces the official Gemma 3 tokenizer.json merge for merge (514,906 merges).
-    (transformers builds a Unigram model from these scores instead, which splits common words apart.)
+    """A SentencePiece-style BPE vocabulary (GGUF tokenizer model "llama", e.g. Gemma 3, or "gemma4") as a
+    `tokenizers` BPE: the merges the file holds (Gemma 4's, from its tokenizer.json), else merges made from
+    the pieces' scores (_merges_by_score).
     """
     tokens = gguf_file.field("tokenizer.ggml.tokens")
-    scores = gguf_file.field("tokenizer.ggml.scores")
     types = gguf_file.field("tokenizer.ggml.token_type")
     pieces = [t.replace(" ", "▁") for t in tokens]
     vocab = {p: i for i, p in enumerate(pieces)}
-    mergeable = {i for i, t in enumerate(types) if t in (_NORMAL, _USER_DEFINED)}
-    ranked = []
-    for i, piece in enumerate(pieces):
-        if i not in mergeable:
-            continue
-        score = 0.0 if types[i] == _USER_DEFINED else scores[i]
-        for cut in range(1, len(piece)):
-            left, right = vocab.get(piece[:cut]), vocab.get(piece[cut:])
-            if left in mergeable and right in mergeable:
-                ranked.append(((-score, -cut, cut - len(piece), i, left, right), piece[:cut], piece[cut:]))
-    ranked.sort(key=lambda m: m[0])
+    merges = gguf_file.field("tokenizer.ggml.merges")
+    if merges is None:
+        merges = _merges_by_score(pieces, vocab, gguf_file.field("tokenizer.ggml.scores"), types)
+    else:
+        merges = [tuple(m.split(" ", 1)) for m in merges]
     unk = gguf_file.field("tokenizer.ggml.unknown_token_id")
     backend = tokenizers.Tokenizer(
         models.BPE(
             vocab,
-            [(left, right) for _, left, right in ranked],
+            merges,
             unk_token=pieces[unk] if unk else None,
             fuse_unk=True,
             byte_fallback=True,
@@ -193,3 +188,24 @@ def _sentencepiece_bpe(gguf_file) -> tokenizers.Tokenizer:
         [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
     )
     return backend
+
+
+def _merges_by_score(pieces: list[str], vocab: dict, scores: list[float], types: list[int]) -> list:
+    """SentencePiece stores scores, not merges. A merge (left, right) exists wherever both halves of a piece
+    are pieces; merges apply in order of the merged piece's score, longer left halves first, then vocabulary
+    order. llama.cpp writes user-defined pieces with score -1000 where SentencePiece gives them 0, so they
+    count as 0 here. This reproduces the official Gemma 3 tokenizer.json merge for merge (514,906 merges).
+    (transformers builds a Unigram model from these scores instead, which splits common words apart.)
+    """
+    mergeable = {i for i, t in enumerate(types) if t in (_NORMAL, _USER_DEFINED)}
+    ranked = []
+    for i, piece in enumerate(pieces):
+        if i not in mergeable:
+            continue
+        score = 0.0 if types[i] == _USER_DEFINED else scores[i]
+        for cut in range(1, len(piece)):
+            left, right = vocab.get(piece[:cut]), vocab.get(piece[cut:])
+            if left in mergeable and right in mergeable:
+                ranked.append(((-score, -cut, cut - len(piece), i, left, right), piece[:cut], piece[cut:]))
+    ranked.sort(key=lambda m: m[0])
+    return [(left, right) for _, left, right in ranked]

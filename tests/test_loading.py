@@ -14,15 +14,17 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from spinf_jax.loader import load_model, random_model
+from spinf_jax import checkpoint, parity
+from spinf_jax.loader import load_model, open_checkpoint, random_model
 from spinf_jax.models import abstract_decoder
 from spinf_jax.models.layers import TreeBatch
-from spinf_jax.models.params import nbytes
+from spinf_jax.models.params import Kind, nbytes, params, per_source
 from spinf_jax.quant import QuantArray
 from tests import engines
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "fixtures" / "tiny"
+GGUF = REPO / "fixtures" / "gguf"
 PROMPT = TreeBatch.sequence([2, 17, 301, 44, 9, 250, 3, 3, 71])
 
 
@@ -179,6 +181,104 @@ def test_our_gguf_reader_matches_the_gguf_package():
         qtype, dims, data = tensors[t.name]
         assert qtype == t.tensor_type and dims == [int(n) for n in t.shape]
         np.testing.assert_array_equal(data.ravel(), t.data.ravel(), err_msg=t.name)
+
+
+# GGUF files written by llama.cpp's own converter from a checkpoint (fixtures/gguf/README.md), and that
+# checkpoint. llama.cpp's qwen3moe has no dense layers, so its file is of an all-experts variant of the tiny
+# qwen3_moe.
+CONVERTED = {
+    "qwen3_5": (GGUF / "tiny-qwen3_5.f16.gguf", TINY / "qwen3_5"),
+    "qwen3_5_moe": (GGUF / "tiny-qwen3_5_moe.f16.gguf", TINY / "qwen3_5_moe"),
+    "gemma4-moe": (GGUF / "tiny-gemma4-moe.f16.gguf", TINY / "gemma4-moe"),
+    "qwen3_moe": (GGUF / "tiny-qwen3_moe_allmoe.f16.gguf", GGUF / "qwen3_moe_allmoe-hf"),
+}
+
+
+@pytest.mark.parametrize("family", CONVERTED)
+def test_a_gguf_from_llama_cpp_holds_its_checkpoint(family):
+    """What llama.cpp's converter made of a checkpoint reads back as that checkpoint: the family's config from
+    the metadata equals the one from config.json, and every tensor the model's Params are filled from
+    (`checkpoint.get`, as the loader calls it) is the checkpoint's, rounded to f16 where the converter stored
+    f16 (linear and embedding weights; it keeps norms, routers, 1-D tensors and the convolution in f32).
+    Copies are exact; what we undo in f32 arithmetic (Qwen3.5's norms stored as 1 + w, A_log as
+    -exp(A_log)) comes back within an f32 rounding of the stored value (measured: 1.2e-7 at most). The
+    readers, not loaded models: a model load compiles a program per weight shape (~0.8 s a family)."""
+    gguf_file, folder = CONVERTED[family]
+    ours, theirs = open_checkpoint(gguf_file), open_checkpoint(folder)
+    decoder = abstract_decoder(ours.config, "fp32")
+    assert decoder.config == abstract_decoder(theirs.config, "fp32").config
+    for param in params(decoder):
+        for name, shaped in per_source(param, param.get_value()):
+            expected = theirs.get(name).astype(np.float32)
+            if param.kind in (Kind.LINEAR, Kind.EMBED):
+                expected = expected.astype(np.float16).astype(np.float32)
+            atol = 2**-22 if _undone_in_f32(family, name) else 0
+            np.testing.assert_allclose(ours.get(name), expected, rtol=0, atol=atol, err_msg=name, strict=True)
+            assert shaped.shape == expected.shape, name
+
+
+_READ_GGUF = checkpoint._read_gguf
+
+
+def _reading(monkeypatch, path: Path, fields: dict | None = None, drop=(), add=()):
+    """GGUFFile(path) as if the file's metadata had `fields` and its tensors lacked `drop` and had `add`
+    (names only)."""
+    real_fields, tensors = _READ_GGUF(path)
+    some = tensors["token_embd.weight"]
+    tensors = {n: t for n, t in tensors.items() if n not in drop} | dict.fromkeys(add, some)
+    monkeypatch.setattr(checkpoint, "_read_gguf", lambda _: (real_fields | (fields or {}), tensors))
+    return checkpoint.GGUFFile(path)
+
+
+def test_a_qwen3_5_gguf_with_its_mtp_layer_reads_the_decoder_alone(monkeypatch):
+    """Converted without --no-mtp, a Qwen3.5 GGUF counts its multi-token-prediction layer in block_count (and
+    writes it as blk.{L}.nextn.* and layer L's usual tensors), and says so in nextn_predict_layers: the
+    decoder is the layers before it. (A file the converter wrote from the tiny fixture with an MTP layer
+    added read back as the fixture, every tensor; it is not kept here, for size.)"""
+    path = CONVERTED["qwen3_5"][0]
+    plain = checkpoint.GGUFFile(path).config
+    recurrent = [t == "linear_attention" for t in plain["layer_types"]]
+    mtp = {
+        "qwen35.block_count": 5,
+        "qwen35.nextn_predict_layers": 1,
+        "qwen35.attention.recurrent_layers": [*recurrent, False],
+    }
+    assert _reading(monkeypatch, path, mtp).config == plain
+
+
+def test_what_llama_cpp_can_write_but_we_do_not_run_is_refused(monkeypatch):
+    """A file's metadata or tensors changed as llama.cpp could write them: a qwen3moe layer without experts,
+    the converter's optional fusions, rope scaling where the family runs none, partial rope on Gemma 4's
+    sliding layers. Each is a ValueError that says why."""
+    qwen3_moe, qwen3_5_moe = CONVERTED["qwen3_moe"][0], CONVERTED["qwen3_5_moe"][0]
+    with pytest.raises(ValueError, match=r"layers \[1\] have no experts"):
+        _reading(monkeypatch, qwen3_moe, drop=["blk.1.ffn_gate_inp.weight"])
+    with pytest.raises(ValueError, match="fused q/k/v .*--fuse-qkv"):
+        _reading(monkeypatch, qwen3_moe, add=["blk.0.attn_qkv.weight"])
+    with pytest.raises(ValueError, match="fused expert gate/up .*--fuse-gate-up-exps"):
+        _reading(monkeypatch, qwen3_5_moe, add=["blk.0.ffn_gate_up_exps.weight"])
+    with pytest.raises(ValueError, match="rope scaling 'yarn'"):
+        _reading(monkeypatch, qwen3_5_moe, {"qwen35moe.rope.scaling.type": "yarn"})
+    gemma4 = CONVERTED["gemma4-moe"][0]
+    with pytest.raises(ValueError, match="partial rope on Gemma 4's sliding layers"):
+        _reading(monkeypatch, gemma4, {"gemma4.rope.dimension_count_swa": 16})
+
+
+def _undone_in_f32(family: str, name: str) -> bool:
+    """Qwen3.5's norms but the gated one, stored as 1 + w, and its A_log, stored as -exp(A_log)."""
+    norm = name.endswith("norm.weight") and ".linear_attn." not in name
+    return family.startswith("qwen3_5") and (norm or name.endswith("A_log"))
+
+
+def test_a_gguf_from_llama_cpp_scores_the_recorded_prompts():
+    """The tiny Qwen3.5's GGUF against transformers' fp32 reference of its checkpoint, through `spinf-jax
+    parity`. f16 weights move this fixture's scores a lot (measured: max |Δ| 0.39, mean 0.024, top-1 0.985
+    over 1,224 log-probs; the same as the checkpoint's own weights rounded to f16, within 2e-5)."""
+    entry = next(e for e in parity.manifest() if e["name"] == "tiny-qwen3_5")
+    spec = str(CONVERTED["qwen3_5"][0])
+    bounds = {"tolerance": 0.6, "mean_tolerance": 0.04, "min_top1": 0.95}
+    result = parity.run_entry(entry | {"model": spec} | bounds, engines.parity_engine(spec))
+    assert result.ok, result.line()
 
 
 def test_processes_starting_at_once_share_the_default_model_file(tmp_path, monkeypatch):

@@ -59,7 +59,7 @@ class Config:
     num_kv_shared_layers: int
     double_wide_mlp: bool  # KV-shared layers have a 2x intermediate size
     per_layer_size: int  # per-layer input width (0: none)
-    per_layer_vocab: int
+    per_layer_vocab: int  # 0 without per-layer inputs (configs still carry a vocabulary size for them)
     tie_embeddings: bool
     rms_norm_eps: float = 1e-6
     final_logit_softcapping: float | None = None
@@ -78,7 +78,7 @@ class Config:
         moe = bool(c.get("enable_moe_block"))
         if c.get("use_bidirectional_attention") == "all" or c.get("attention_bias"):
             raise ValueError("bidirectional Gemma 4 text attention and attention biases are not supported")
-        n = c["num_hidden_layers"]
+        n, per_layer = c["num_hidden_layers"], c.get("hidden_size_per_layer_input") or 0
         layer_types = list(c.get("layer_types") or [SLIDING if (i + 1) % 6 else GLOBAL for i in range(n)])
         layer_types = tuple(layer_types[:-1] + [GLOBAL])  # transformers makes the last layer global, always
         k_eq_v = bool(c.get("attention_k_eq_v", False))
@@ -112,8 +112,8 @@ class Config:
             k_eq_v=k_eq_v,
             num_kv_shared_layers=c.get("num_kv_shared_layers") or 0,
             double_wide_mlp=bool(c.get("use_double_wide_mlp", False)),
-            per_layer_size=c.get("hidden_size_per_layer_input") or 0,
-            per_layer_vocab=c.get("vocab_size_per_layer_input") or c["vocab_size"],
+            per_layer_size=per_layer,
+            per_layer_vocab=(c.get("vocab_size_per_layer_input") or c["vocab_size"]) if per_layer else 0,
             tie_embeddings=bool(c.get("tie_word_embeddings", tied)),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             final_logit_softcapping=c.get("final_logit_softcapping"),

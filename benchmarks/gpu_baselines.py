@@ -16,6 +16,7 @@ plus parity against transformers at a real model shape. One script, one run, on 
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -90,7 +91,15 @@ class TorchWeights:
         self.state = model.state_dict()
 
     def get(self, name: str) -> np.ndarray:
-        return self.state[name].float().cpu().numpy()
+        if name in self.state:
+            return self.state[name].float().cpu().numpy()
+        # One expert of a Qwen MoE, which checkpoints keep per expert and transformers 5 holds fused in memory:
+        # gate_up_proj [experts, 2 · inner, hidden] (gate rows first), down_proj [experts, hidden, inner].
+        layer, expert, proj = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)_proj\.weight", name).groups()
+        fused = self.state[f"{layer}.down_proj" if proj == "down" else f"{layer}.gate_up_proj"][int(expert)]
+        if proj != "down":
+            fused = fused.chunk(2)[proj == "up"]
+        return fused.float().cpu().numpy()
 
 
 def hf_model(config: dict, dtype, attn: str) -> torch.nn.Module:

@@ -93,8 +93,8 @@ class TorchWeights:
     def get(self, name: str) -> np.ndarray:
         if name in self.state:
             return self.state[name].float().cpu().numpy()
-        # One expert of a Qwen MoE, which checkpoints keep per expert and transformers 5 holds fused in memory:
-        # gate_up_proj [experts, 2 · inner, hidden] (gate rows first), down_proj [experts, hidden, inner].
+        # One expert of a Qwen MoE: checkpoints keep it per expert, transformers 5 holds them fused in memory
+        # (gate_up_proj [experts, 2 · inner, hidden], gate rows first; down_proj [experts, hidden, inner]).
         layer, expert, proj = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)_proj\.weight", name).groups()
         fused = self.state[f"{layer}.down_proj" if proj == "down" else f"{layer}.gate_up_proj"][int(expert)]
         if proj != "down":

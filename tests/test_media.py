@@ -3,6 +3,7 @@
 with a SigLIP tower)."""
 
 import base64
+import dataclasses
 import functools
 import gzip
 import json
@@ -63,7 +64,7 @@ def test_image_rows_see_the_whole_image():
     row = ids.index(fmt.start_id) + 1
     soft = m.soft_tokens(fmt.pixels(Image.open(MEDIA / prompt["images"][0])))
     batch = TreeBatch.sequence(ids).with_images([(row, soft)])
-    causal = batch.__class__(**{**batch.__dict__, "reach": None})
+    causal = dataclasses.replace(batch, reach=None)
     targets = jnp.asarray(ids[1:])[:, None]
     both = np.asarray(m.logprobs(m.hidden(batch)[: len(ids) - 1], targets)[0])[:, 0]
     one_way = np.asarray(m.logprobs(m.hidden(causal)[: len(ids) - 1], targets)[0])[:, 0]

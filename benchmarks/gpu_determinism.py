@@ -12,6 +12,7 @@ False), where the dense shapes were. Each part runs twice and compares:
 
 import argparse
 import json
+import time
 from functools import partial
 from pathlib import Path
 
@@ -109,13 +110,17 @@ def main() -> None:
     args = parser.parse_args()
     cfg = GEMMA4_26B_A4B | (SMALL if args.small else {})
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
-    results |= experts(cfg, 512 if args.small else 8192)
+    parts = [partial(experts, cfg, 512 if args.small else 8192), partial(stack, cfg)]
     if jax.default_backend() == "gpu":  # the kernel is the GPU's (its CPU twin is tested for this)
-        results |= attention(4096)
-    results |= stack(cfg)
-    Path(args.out, "gpu_determinism.json").write_text(json.dumps(results, indent=1) + "\n")
-    for key, value in results.items():
-        print(f"{key:40s} {value}")
+        parts.insert(1, partial(attention, 4096))
+    for part in parts:  # each part's lines as soon as it ends: a part may not end within a device call
+        start = time.perf_counter()
+        found = part()
+        results |= found
+        for key, value in found.items():
+            print(f"{key:40s} {value}")
+        print(f"({part.func.__name__}: {time.perf_counter() - start:.1f} s)", flush=True)
+        Path(args.out, "gpu_determinism.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

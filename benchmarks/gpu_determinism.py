@@ -2,7 +2,8 @@
 H200 (2026-12-05) the seed job at that shape was not the same twice (gpu_engine.py: same_results_every_call
 False), where the dense shapes were. Each part runs twice and compares:
 - the grouped experts (pallas_kernels.moe.grouped) at 8,192 tokens, 128 experts of 704, top 8, fp8 and bf16,
-  and a third of the tokens alone against the same rows of the whole;
+  their tiles through a loop of XLA GEMMs and through the grouped GEMM kernel, and a third of the tokens alone
+  against the same rows of the whole;
 - a dense fp8/bf16 linear of the same width;
 - the tree-attention kernel at head_dim 512 (the global layers, 2 kv heads) and 256 with the 1,024 window;
 - the 6-layer stack (5 sliding, 1 global) with random fp8 weights, with and without the MoE block.
@@ -27,7 +28,7 @@ from spinf_jax.loader import Model, random_weights
 from spinf_jax.models import abstract_decoder
 from spinf_jax.models.layers import TreeBatch, gelu_tanh
 from spinf_jax.models.moe import route
-from spinf_jax.quant import Precision, linear, quantize
+from spinf_jax.quant import Precision, grouped_linear, linear, quantize
 
 SMALL = {"hidden_size": 64, "intermediate_size": 48, "num_experts": 8, "top_k_experts": 2,
          "moe_intermediate_size": 32, "head_dim": 32, "global_head_dim": 64, "num_attention_heads": 4,
@@ -52,6 +53,13 @@ def _expert(rows, i, *, gate_up, down, inner: int):
     return linear(gelu_tanh(gate) * up, pick(down), jnp.float32)
 
 
+def _tiles(rows, tile_expert, *, gate_up, down, inner: int):
+    """_expert's arithmetic for every tile at once, each GEMM one grouped kernel (the engine's GPU path)."""
+    gemm = partial(grouped_linear, interpret=jax.default_backend() != "gpu")  # --small on a CPU
+    gate, up = jnp.split(gemm(rows, tile_expert, gate_up), [inner], axis=-1)
+    return gemm(gelu_tanh(gate) * up, tile_expert, down, jnp.float32)
+
+
 def experts(cfg: dict, tokens: int) -> dict:
     h, e, k, f = cfg["hidden_size"], cfg["num_experts"], cfg["top_k_experts"], cfg["moe_intermediate_size"]
     keys = jax.random.split(jax.random.key(0), 5)
@@ -63,17 +71,21 @@ def experts(cfg: dict, tokens: int) -> dict:
         down = quantize(jax.random.normal(keys[3], (e, h, f)) * 0.02, Precision(precision))
 
         expert = partial(_expert, gate_up=gate_up, down=down, inner=f)
-        grouped = jax.jit(lambda x, i, w, expert=expert: moe.grouped(x, i, w, expert, e, tile=64))
-        a, b = twice(grouped, x, index, weight)
-        third = tokens // 3
-        part = np.asarray(grouped(x[:third], index[:third], weight[:third]), np.float32)
+        kernel = partial(_tiles, gate_up=gate_up, down=down, inner=f)
+        for name, feed_forward in (("loop", moe.per_tile(expert)), ("kernel", kernel)):
+            grouped = jax.jit(lambda x, i, w, ff=feed_forward: moe.grouped(x, i, w, ff, e, tile=64))
+            a, b = twice(grouped, x, index, weight)
+            third = tokens // 3
+            part = np.asarray(grouped(x[:third], index[:third], weight[:third]), np.float32)
+            out[f"experts_{precision}_{name}"] = {
+                "rows_differing_twice": rows_differing(a, b),
+                "third_alone_rows_differing": rows_differing(part, a[:third]),
+            }
         dense = quantize(
             jax.random.normal(keys[4], (cfg["intermediate_size"], h)) * 0.02, Precision(precision)
         )
         c, d = twice(jax.jit(lambda x, dense=dense: linear(x, dense)), x)
-        out[f"experts_{precision}"] = {"rows_differing_twice": rows_differing(a, b),
-                                       "third_alone_rows_differing": rows_differing(part, a[:third]),
-                                       "dense_linear_rows_differing_twice": rows_differing(c, d)}  # fmt: skip
+        out[f"dense_linear_{precision}_rows_differing_twice"] = rows_differing(c, d)
     return out
 
 

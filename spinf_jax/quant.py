@@ -9,9 +9,12 @@ values and one f32 scale per output channel (per row). `linear` and `embed` disp
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.moe import grouped_matmul
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
@@ -93,6 +96,21 @@ def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
         return (y * x_scale * w.scale).astype(out_dtype)
     y = jax.lax.dot_general(x, w.values.astype(x.dtype), contract, preferred_element_type=jnp.float32)
     return (y * w.scale).astype(out_dtype)
+
+
+def grouped_linear(x: jax.Array, tile_expert: jax.Array, w: Weight, out_dtype=None, *, interpret=False):
+    """`linear` for a buffer of tiles, each through its own expert: x [R, in] in tiles of R / tiles rows,
+    tile i @ w[tile_expert[i]]ᵀ with w [experts, out, in] → [R, out]. One Pallas kernel (GPUs; `interpret`
+    runs it on the CPU), with `linear`'s quantization: fp8 activations scaled per row, int8 weights met in
+    x's dtype."""
+    out_dtype = out_dtype or x.dtype
+    gemm = partial(grouped_matmul, out_dtype=out_dtype, interpret=interpret)
+    if not isinstance(w, QuantArray):
+        return gemm(x, tile_expert, w)
+    if w.values.dtype == jnp.float8_e4m3fn:
+        xq, x_scale = _quantize_rows_fp8(x)
+        return gemm(xq, tile_expert, w.values, x_scale[:, 0], w.scale)
+    return gemm(x, tile_expert, w.values, None, w.scale)
 
 
 def embed(ids: jax.Array, table: Weight, dtype) -> jax.Array:

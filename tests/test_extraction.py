@@ -185,7 +185,11 @@ def test_readme_example_ranks_answers_on_the_default_model(gemma_engine):
     assert answers[0]["text"] == "September" and len(answers) == 5
     assert abs(sum(a["p"] for a in answers) - 1) < 1e-9
     assert math.isclose(by_id["month"]["residual"], 1 - sum(math.exp(a["logprob"]) for a in answers))
-    assert by_id["month_generated"]["answers"] == [{**answers[0], "p": 1.0}]
+    # Generated and searched slots decode in groups of other widths (1 and 8 rows), other programs: the same
+    # answer, with log-probs equal up to f32 summation order (bit-equal on AMD EPYC, 2e-6 apart on Xeon).
+    [generated] = by_id["month_generated"]["answers"]
+    assert generated["text"] == answers[0]["text"] and generated["p"] == 1.0
+    assert generated["logprob"] == pytest.approx(answers[0]["logprob"], abs=1e-4)
     assert response["usage"]["prompt_tokens_details"]["decode_tokens"] > 0
     # The same slot asked alone: the same bits.
     alone = gemma_engine.score({**body, "scoring": {"queries": [body["scoring"]["queries"][2]]}})

@@ -386,6 +386,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also compile the extraction programs before reporting ready ({*}, {n}, {$} slots)",
     )
+    p.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="fetch https:// image URLs in contents (off: only data: URLs); the server then reaches any "
+        "address a request names (docs/media.md)",
+    )
+    p.add_argument(
+        "--remote-media-timeout",
+        metavar="SECONDS",
+        help="with --allow-remote-media: the longest one image may take to fetch (default 10)",
+    )
     p.add_argument("--log-level", default="info", metavar="{critical,error,warning,info,debug,trace}")
     p.add_argument("--check", action="store_true", help="check the settings, then exit: 0 if valid, else 2")
     p.set_defaults(run=_serve)

@@ -64,6 +64,10 @@ class Limits:
     # (the hosted API's body limit); Gemma 3 reads every image at 896×896, which a JPEG holds in ~200 KB.
     max_images_per_content: int = 16  # each takes its soft tokens of the content's tokens
     max_image_bytes: int = 1_500_000
+    # https:// image URLs are fetched only when allowed (`serve --allow-remote-media`): the server then
+    # reaches any address a request names. Each file within max_image_bytes and this many seconds.
+    allow_remote_media: bool = False
+    remote_media_timeout_s: float = 10.0
 
     def reported(self, reads_images: bool) -> dict[str, int]:
         """The limits a server reports (/health): those on images only for a model that reads them."""
@@ -71,7 +75,7 @@ class Limits:
         return limits if reads_images else {k: v for k, v in limits.items() if k not in IMAGE_LIMITS}
 
 
-IMAGE_LIMITS = ("max_images_per_content", "max_image_bytes")
+IMAGE_LIMITS = ("max_images_per_content", "max_image_bytes", "allow_remote_media", "remote_media_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -171,32 +175,38 @@ def _invalid(param: str | None, message: str) -> ScoringError:
 IMAGE_MARK = "\ufffc"
 
 
-def render_content(messages: list[api.Message], param: str, images: list[ContentImage] | None = None) -> str:
+def render_content(
+    messages: list[api.Message],
+    param: str,
+    images: list[ContentImage] | None = None,
+    limits: Limits | None = None,
+) -> str:
     """The content's text: every message's text, joined with "\\n". Roles are ignored; no chat template.
-    An image part becomes IMAGE_MARK, its file appended to `images` (None: the model reads text only)."""
-    return "\n".join(_message_text(m, f"{param}[{i}]", images) for i, m in enumerate(messages))
+    An image part becomes IMAGE_MARK, its file appended to `images` (None: the model reads text only);
+    `limits` say whether https:// images are fetched."""
+    limits = limits or Limits()
+    return "\n".join(_message_text(m, f"{param}[{i}]", images, limits) for i, m in enumerate(messages))
 
 
-def _message_text(message: api.Message, param: str, images: list[ContentImage] | None) -> str:
+def _message_text(message: api.Message, param: str, images: list[ContentImage] | None, limits: Limits) -> str:
     if isinstance(message.content, str):
         return message.content
     parts = enumerate(message.content)
-    return "\n".join(_part_text(part, f"{param}.content[{k}]", images) for k, part in parts)
+    return "\n".join(_part_text(part, f"{param}.content[{k}]", images, limits) for k, part in parts)
 
 
-def _part_text(part: api.ContentPart, param: str, images: list[ContentImage] | None) -> str:
+def _part_text(part: api.ContentPart, param: str, images: list[ContentImage] | None, limits: Limits) -> str:
     if isinstance(part, api.TextPart):
         return part.text
     if isinstance(part, api.ImagePart) and images is not None:
         url = (part.image_url or {}).get("url")
+        where = param + ".image_url.url"
         if not isinstance(url, str):
-            raise _invalid(
-                param + ".image_url.url", "an image part needs image_url.url: a data:image/... URL"
-            )
+            raise _invalid(where, "an image part needs image_url.url: a data:image/... URL")
         try:
-            images.append(ContentImage(media.decode_data_url(url, param + ".image_url.url"), param))
+            images.append(ContentImage(_image_bytes(url, where, limits), param))
         except media.MediaError as e:
-            raise ScoringError(e.code, str(e), param + ".image_url.url") from None
+            raise ScoringError(e.code, str(e), where) from None
         return IMAGE_MARK
     reads = "text and images" if images is not None else "text only"
     raise ScoringError(
@@ -204,6 +214,19 @@ def _part_text(part: api.ContentPart, param: str, images: list[ContentImage] | N
         f"content parts of type {part.__struct_config__.tag!r} are not supported: this model reads {reads}",
         param,
     )
+
+
+def _image_bytes(url: str, param: str, limits: Limits) -> bytes:
+    """An image part's file: from its data URL, or fetched from its https:// URL where the server allows."""
+    if not url.startswith(("https://", "http://")):
+        return media.decode_data_url(url, param)
+    if not limits.allow_remote_media:
+        raise media.MediaError(
+            "remote_media_disabled",
+            f"{param}: this server fetches no image URLs (started without --allow-remote-media); send the "
+            "image as a data:image/...;base64 URL",
+        )
+    return media.fetch(url, param, max_bytes=limits.max_image_bytes, timeout_s=limits.remote_media_timeout_s)
 
 
 def _image_pieces(text: str, images: tuple[ContentImage, ...], param: str) -> list[str]:
@@ -525,7 +548,7 @@ class _Input:
 def _render(messages: list[api.Message], param: str, limits: Limits, reads_images: bool):
     """A content's text and its images (rendered_content), within the limits on images."""
     images = [] if reads_images else None
-    text = render_content(messages, param, images)
+    text = render_content(messages, param, images, limits)
     for image in images or ():
         if len(image.data) > limits.max_image_bytes:
             raise ScoringError(

@@ -21,9 +21,11 @@ CODES: dict[str, tuple[int, str]] = {
     "unsupported_content": (400, "a content part this model cannot read (image, audio, ...)"),
     "invalid_media": (
         400,
-        "an image that is not a data:image/...;base64 URL, or a corrupt or oversized file",
+        "an image URL that is neither data:image/...;base64 nor https://, or a corrupt or oversized file",
     ),
-    "unsupported_media": (400, "a data URL of a type that is not an image"),
+    "unsupported_media": (400, "a data URL or remote file of a type that is not an image"),
+    "remote_media_disabled": (400, "an https:// image URL on a server started without --allow-remote-media"),
+    "media_unreachable": (400, "an https:// image that could not be fetched, or not in time"),
     "too_many_images": (400, "more than 16 images in one content"),
     "content_too_long": (400, "a content of more than 4,096 tokens"),
     "question_too_large": (400, "a content with one of its questions is larger than the largest bucket"),

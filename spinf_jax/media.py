@@ -13,6 +13,10 @@ import binascii
 import hashlib
 import io
 import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +26,8 @@ from PIL import Image
 
 # An image of more pixels than this is refused before it is decoded (Pillow's own guard, raised to an error).
 MAX_IMAGE_PIXELS = 50_000_000
+# What a remote image URL may be (--allow-remote-media), redirects included: never plain http.
+REMOTE_SCHEMES = ("https",)
 
 
 class MediaError(ValueError):
@@ -97,6 +103,53 @@ def decode_data_url(url: str, param: str) -> bytes:
         return base64.b64decode(body, validate=True)
     except (binascii.Error, ValueError) as e:
         raise MediaError("invalid_media", f"{param}: the data URL is not valid base64 ({e})") from None
+
+
+class _SameSchemes(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to a URL of an allowed scheme (an https:// image may not lead to http://)."""
+
+    def __init__(self, schemes: tuple[str, ...]):
+        self.schemes = schemes
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urllib.parse.urlsplit(newurl).scheme not in self.schemes:
+            raise urllib.error.URLError(f"redirected to {newurl!r}, not an {'/'.join(self.schemes)} URL")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def fetch(url: str, param: str, *, max_bytes: int, timeout_s: float) -> bytes:
+    """The bytes of an image at a remote URL: an image/* response of at most max_bytes, read whole within
+    timeout_s (the connection, every read and the download together). Only a server started with
+    --allow-remote-media calls this: the server then reaches whatever URL a request names."""
+    schemes = REMOTE_SCHEMES
+    if urllib.parse.urlsplit(url).scheme not in schemes:
+        raise MediaError("invalid_media", f"{param}: a remote image URL is {'/'.join(schemes)}://...")
+    deadline = time.monotonic() + timeout_s
+    opener = urllib.request.build_opener(_SameSchemes(schemes))
+    request = urllib.request.Request(url, headers={"User-Agent": "spinf-jax", "Accept": "image/*"})
+    try:
+        with opener.open(request, timeout=timeout_s) as response:
+            kind = response.headers.get_content_type()
+            if not kind.startswith("image/"):
+                raise MediaError("unsupported_media", f"{param}: {url} is {kind!r}, not an image type")
+            declared = response.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+                raise MediaError("invalid_media", f"{param}: {int(declared):,} bytes; at most {max_bytes:,}")
+            data = bytearray()
+            while chunk := response.read1(64 * 1024):  # what has come, not a whole 64 KiB
+                data += chunk
+                if len(data) > max_bytes:
+                    raise MediaError("invalid_media", f"{param}: more than {max_bytes:,} bytes")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not read whole within {timeout_s:g} s")
+            return bytes(data)
+    except MediaError:
+        raise
+    except urllib.error.HTTPError as e:
+        raise MediaError("media_unreachable", f"{param}: {url} answered {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:  # TimeoutError is an OSError
+        reason = getattr(e, "reason", e)
+        raise MediaError("media_unreachable", f"{param}: could not fetch {url} ({reason})") from None
 
 
 def open_image(data: bytes, param: str) -> Image.Image:

@@ -232,10 +232,13 @@ def test_server_codes_are_reachable(client, monkeypatch):
         "invalid_media": [_image("data:image/png;base64,AAAA")],  # three zero bytes: no image
         "unsupported_media": [_image("data:audio/wav;base64,AAAA")],
         "too_many_images": [_image("data:image/png;base64,AAAA")] * 17,
+        "remote_media_disabled": [_image("https://example.com/cat.png")],
     }
-    for code, content in parts.items():
+    remote = Scorer(scorer.engine, Limits(allow_remote_media=True, remote_media_timeout_s=2.0), {})
+    for code, content in [*parts.items(), ("media_unreachable", [_image("https://127.0.0.1:1/cat.png")])]:
         with pytest.raises(ScoringError) as e:
-            scorer.plan({"messages": [{"content": content}], "scoring": {"queries": [test_media.QUERY]}})
+            body = {"messages": [{"content": content}], "scoring": {"queries": [test_media.QUERY]}}
+            (remote if code == "media_unreachable" else scorer).plan(body)
         assert e.value.code == code
         reached.add(e.value.code)
 

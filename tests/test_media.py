@@ -6,7 +6,10 @@ import base64
 import dataclasses
 import functools
 import gzip
+import http.server
 import json
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from spinf_jax import media
 from spinf_jax.compiler import Limits
 from spinf_jax.errors import ScoringError
 from spinf_jax.media import MediaError, decode_data_url, open_image
@@ -159,7 +163,7 @@ def test_the_server_reads_images_and_says_what_is_wrong_with_them():
         many = image_input("c", "Look:", *["grey.png"] * 17)
         for body, code, param in [
             (corrupt, "invalid_media", "inputs[0].messages[0].content[1].image_url.url"),
-            (remote, "invalid_media", "inputs[0].messages[0].content[1].image_url.url"),
+            (remote, "remote_media_disabled", "inputs[0].messages[0].content[1].image_url.url"),
             (many, "too_many_images", "inputs[0].messages"),
         ]:
             answer = post(body)
@@ -192,3 +196,98 @@ def test_image_limits_at_their_edges():
     with pytest.raises(ScoringError, match=f"{larger:,} bytes") as e:
         scorer.score({"inputs": [image_input("a", "Look:", "gradient.png")], "scoring": {"queries": [QUERY]}})
     assert e.value.code == "invalid_media" and e.value.param == "inputs[0].messages[0].content[1]"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Remote images (--allow-remote-media)
+
+
+class _Files(http.server.BaseHTTPRequestHandler):
+    """A local web server's answers: an image, a page, a large image, a slow one, a redirect, a 404."""
+
+    def do_GET(self):
+        grey = (MEDIA / "grey.png").read_bytes()
+        answers = {
+            "/grey.png": (200, "image/png", grey),
+            "/page.html": (200, "text/html", b"<html></html>"),
+            "/large.png": (200, "image/png", grey * 50),
+            "/slow.png": (200, "image/png", None),
+        }
+        if self.path == "/elsewhere.png":
+            self.send_response(302)
+            self.send_header("Location", "ftp://example.com/grey.png")
+            self.end_headers()
+            return
+        status, kind, body = answers.get(self.path, (404, "text/plain", b"no such file"))
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.end_headers()
+        if body is None:  # a byte at a time, slower than any timeout the test sets
+            for byte in grey[:40]:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.05)
+            return
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def web(request):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    request.addfinalizer(server.shutdown)
+    return f"http://127.0.0.1:{server.server_port}"
+
+
+def test_remote_images_are_fetched_within_their_limits(web, monkeypatch):
+    """media.fetch on a local server (http allowed for the test; the product allows https only): the file's
+    bytes, or the error each failure gets, the size and time limits included."""
+    where = "messages[0].content[1].image_url.url"
+    fetch = functools.partial(media.fetch, param=where, max_bytes=100_000, timeout_s=1.0)
+    with pytest.raises(MediaError, match="https://") as e:
+        fetch(f"{web}/grey.png")  # plain http is refused before anything is fetched
+    assert e.value.code == "invalid_media"
+    monkeypatch.setattr(media, "REMOTE_SCHEMES", ("http",))
+    assert fetch(f"{web}/grey.png") == (MEDIA / "grey.png").read_bytes()
+    large = len((MEDIA / "grey.png").read_bytes()) * 50
+    for path, code, says in [
+        ("/page.html", "unsupported_media", "'text/html', not an image"),
+        ("/missing.png", "media_unreachable", "answered 404"),
+        ("/elsewhere.png", "media_unreachable", "redirected to 'ftp://"),
+    ]:
+        with pytest.raises(MediaError, match=says) as e:
+            fetch(web + path)
+        assert e.value.code == code and where in str(e.value)
+    with pytest.raises(MediaError, match="more than") as e:
+        media.fetch(f"{web}/large.png", where, max_bytes=large - 1, timeout_s=1.0)
+    assert e.value.code == "invalid_media"
+    assert len(media.fetch(f"{web}/large.png", where, max_bytes=large, timeout_s=1.0)) == large
+    start = time.monotonic()
+    with pytest.raises(MediaError, match="not read whole within 0.5 s") as e:
+        media.fetch(f"{web}/slow.png", where, max_bytes=100_000, timeout_s=0.5)
+    assert e.value.code == "media_unreachable" and time.monotonic() - start < 1.5
+
+
+def test_a_fetched_image_scores_as_its_data_url(web, monkeypatch):
+    """Through the scorer: refused unless the limits allow remote media; allowed, the image fetched from its
+    URL scores the same bits as the same file sent as a data URL."""
+    monkeypatch.setattr(media, "REMOTE_SCHEMES", ("http",))
+    engine = engines.engine("gemma3-vision")
+    sent = image_input("a", "Look:", "grey.png")
+    fetched = image_input("a", "Look:", "grey.png")
+    fetched["messages"][0]["content"][1]["image_url"]["url"] = f"{web}/grey.png"
+    body = {"inputs": [fetched], "scoring": {"queries": [QUERY]}}
+    with pytest.raises(ScoringError, match="--allow-remote-media") as e:
+        Scorer(engine, Limits(), {}).score(body)
+    assert e.value.code == "remote_media_disabled"
+    scorer = Scorer(engine, Limits(allow_remote_media=True, remote_media_timeout_s=2.0), {})
+    want = scorer.score({"inputs": [sent], "scoring": {"queries": [QUERY]}})
+    assert _logprobs(scorer.score(body), "a") == _logprobs(want, "a")
+    fetched["messages"][0]["content"][1]["image_url"]["url"] = f"{web}/page.html"
+    with pytest.raises(ScoringError, match="not an image type") as e:
+        scorer.score(body)
+    assert e.value.code == "unsupported_media"
+    assert e.value.param == "inputs[0].messages[0].content[1].image_url.url"

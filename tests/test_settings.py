@@ -53,6 +53,10 @@ def test_serve_starts_with_the_settings_read(serve, tmp_path, monkeypatch):
     assert (settings.max_queue, settings.buckets, settings.served_names) == (8, (256, 1024), ("alias",))
     assert (settings.max_delay_ms, settings.metrics_auth, settings.warm_extraction) == (2.5, False, False)
     assert serve("--warm-extraction")[3].warm_extraction
+    assert settings.remote_media_timeout_s is None and not settings.limits().allow_remote_media
+    remote = serve("--allow-remote-media", "--remote-media-timeout", "2.5")[3].limits()
+    assert (remote.allow_remote_media, remote.remote_media_timeout_s) == (True, 2.5)
+    assert serve("--allow-remote-media")[3].limits().remote_media_timeout_s == 10
 
 
 def test_every_problem_is_reported_at_once(serve, tmp_path):
@@ -91,6 +95,12 @@ def test_every_problem_is_reported_at_once(serve, tmp_path):
         (["--port", "70000"], {}, "--port: must be from 1 to 65535, not 70000"),
         (["--device-memory-cap", "0"], {}, "--device-memory-cap: must be a number of GiB, above 0, not '0'"),
         (["--device-memory-cap", "lots"], {}, "--device-memory-cap: 'lots' is not a number"),
+        (["--remote-media-timeout", "5"], {}, "--remote-media-timeout: only with --allow-remote-media"),
+        (
+            ["--allow-remote-media", "--remote-media-timeout", "0"],
+            {},
+            "--remote-media-timeout: must be a number of seconds, above 0, not '0'",
+        ),
     ],
 )
 def test_one_problem_one_line(serve, monkeypatch, args, environ, problem):

@@ -86,7 +86,7 @@ class Server:
             self.memory_needed = engine.device_bytes_needed()
             check_fits(self.memory_needed, s.device_memory_cap_gib)
             self.packs = compile_packs(s.packs, engine.model.tokenizer)
-            self.scorer = Scorer(engine, packs=self.packs, calibration=s.calibration)
+            self.scorer = Scorer(engine, packs=self.packs, calibration=s.calibration, limits=s.limits())
             self.decider = Decider(engine, calibration=s.calibration)
             self.runner = Runner(engine, s.max_queue, s.max_delay_ms / 1000)
             # Logged before /health says so, so that whoever waits for one finds the other.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spinf_jax.calibration import Calibration, CalibrationError, load_calibration
+from spinf_jax.compiler import Limits
 from spinf_jax.loader import BUILTIN_MODELS, DEFAULT_MODEL, default_row_tile, has_tokenizer_files
 from spinf_jax.packer import Buckets
 from spinf_jax.packs.format import PackError
@@ -24,6 +25,7 @@ from spinf_jax.quantized import folder_precision
 PRECISIONS = ("bf16", "fp8", "int8", "fp32")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 KEY_VARIABLE = "SPINF_API_KEY"
+REMOTE_MEDIA_TIMEOUT = "10"  # seconds one remote image may take: --remote-media-timeout's default
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,14 @@ class Settings:
     # Compile the extraction programs at start too (Engine.warmup): else a bucket's first request with a
     # {*}, {n} or {$} slot compiles them.
     warm_extraction: bool = False
+    # Fetch https:// image URLs within this many seconds each (--allow-remote-media); None: refuse them.
+    remote_media_timeout_s: float | None = None
+
+    def limits(self) -> Limits:
+        """What requests may ask of this server (compiler.Limits)."""
+        if self.remote_media_timeout_s is None:
+            return Limits()
+        return Limits(allow_remote_media=True, remote_media_timeout_s=self.remote_media_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -75,7 +85,8 @@ class Launch:
             f"{'behind the key' if s.metrics_auth else 'open'}; buckets {s.buckets or 'by backend'}; "
             f"queue {s.max_queue}, delay {s.max_delay_ms:g} ms; device memory "
             f"{f'at most {cap:g} GiB' if cap else 'uncapped'}; packs {', '.join(s.packs or {}) or 'none'}; "
-            f"workloads {', '.join(s.calibration.workloads) if s.calibration else 'none'}"
+            f"workloads {', '.join(s.calibration.workloads) if s.calibration else 'none'}; remote images "
+            f"{'off' if s.remote_media_timeout_s is None else f'on ({s.remote_media_timeout_s:g} s)'}"
         )
 
 
@@ -111,6 +122,10 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
     cap = args.device_memory_cap
     cap_gib = None if cap is None else _number("--device-memory-cap", cap, problems, "GiB", zero=False)
     buckets = None if args.buckets is None else _buckets(args.buckets, problems)
+    remote = args.remote_media_timeout or REMOTE_MEDIA_TIMEOUT
+    remote_s = _number("--remote-media-timeout", remote, problems, "seconds", zero=False)
+    if args.remote_media_timeout is not None and not args.allow_remote_media:
+        problems.append("--remote-media-timeout: only with --allow-remote-media")
     if any(not name.strip() for name in args.served_model_name):
         problems.append("--served-model-name: a name is empty")
     if not args.host.strip():
@@ -152,6 +167,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         progress=True,
         random_weights=random_weights,
         warm_extraction=args.warm_extraction,
+        remote_media_timeout_s=remote_s if args.allow_remote_media else None,
     )
     return Launch(settings, args.host, port, args.log_level.lower(), cache)
 

@@ -77,8 +77,21 @@ def chunked(q, k, v, g, beta, state, *, chunk: int = 64) -> tuple[jax.Array, jax
     return o.reshape(-1, *o.shape[2:])[:t], state
 
 
-@partial(jax.jit, static_argnames=("chunk", "exports"))
-def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports: int = 0):
+# Chunks run side by side, this many at a time (a wave): the same program for every wave, whichever chunks
+# share it, so a chunk's bits depend on its rows and its start state alone. Part of the arithmetic: programs
+# that should agree must share it (the engine's: wave_width()).
+WAVE = {"gpu": 32}
+
+
+def wave_width() -> int:
+    """Chunks a wave holds on this backend: wide on GPUs, whose recurrence was a loop of one chunk a step
+    (3.4% of the fp8 peak for the Qwen3.5-4B shape on the H200); narrow on the CPU, where a wave's idle
+    lanes (the trunk's chunks run one per wave) cost their full share."""
+    return WAVE.get(jax.default_backend(), 4)
+
+
+@partial(jax.jit, static_argnames=("chunk", "exports", "width"))
+def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports: int = 0, width: int = 4):
     """The gated delta rule over a packed tree pass (models.layers.TreeBatch): q, k, v, g, beta as in
     `recurrent` for every row [T, ...], each row's span_end [T], and the pass's recurrent chunks [N, 4]
     (spinf_jax.layout.Tree.recurrent_chunks: first row, rows, where it starts, which state it keeps). → (o
@@ -87,11 +100,14 @@ def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports
 
     A chunk's rows are a run of the layout whose paths leave it through one row (the trunk's last, or a
     template's last): the chunk runs from that row's state, with "earlier on the path" in place of "earlier"
-    (row j is on row i's path when j ≤ i < span_end[j]). The chunks run one after another, in the order of
-    the table, carrying three states: the one the last chunk left, the tree's trunk's and the question's
-    template's. The loop's body is the same for every chunk, so a row's bits depend on its own chunk and
-    the state it starts from, never on what else the pass holds."""
+    (row j is on row i's path when j ≤ i < span_end[j]). A chunk starts from the state of the chunk before it
+    in the table (START_RUNNING), of its tree's trunk or of its question's template (the last chunk before it
+    that kept one), or from zeros. Chunks whose start states are known run together, `width` at a time
+    (`_waves`): a trunk's chunks one after another, then all the pass's templates side by side, then their
+    option groups. Every wave runs the same program, so a row's bits depend on its own chunk and the state it
+    starts from, never on what else the pass holds or which chunks share its wave."""
     t, h, _ = k.shape
+    n = chunks.shape[0]
     rows = jnp.arange(chunk)
 
     def padded(x):  # C rows more at the end, so that every chunk's rows can be sliced whole
@@ -99,35 +115,85 @@ def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports
 
     q, k, v, g, beta = map(padded, (q, k, v, g, beta))
     ends = jnp.pad(span_end, (0, chunk))
+    source = _sources(chunks)
+    table, waves = _waves(chunks, source, t, width)
+    # A chunk's state is kept at its index; n holds zeros (START_ZERO's), n + 1 takes idle lanes' writes.
+    firsts = jnp.append(chunks[:, 0], t)  # index n: an idle lane, no rows
+    counts = jnp.append(chunks[:, 1], 0)
+    start_at = jnp.append(jnp.where(source < 0, n, source), n)
 
-    def one(c, carry):
-        out, running, trunk, slot, exported = carry
-        first, n, start, keep = chunks[c, 0], chunks[c, 1], chunks[c, 2], chunks[c, 3]
-        inside = rows < n
+    def lane(first, count, s0):
+        inside = rows < count
         take = partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=chunk)
         q_c, k_c, v_c, g_c, b_c = (
             jnp.where(inside.reshape(-1, *[1] * (x.ndim - 1)), take(x), 0.0) for x in (q, k, v, g, beta)
         )
         path = inside[:, None] & inside[None, :] & (rows[None, :] <= rows[:, None])
         path = path & (first + rows[:, None] < take(ends)[None, :])
-        zeros = jnp.zeros_like(running)
-        s0 = jnp.select([start == START_RUNNING, start == START_TRUNK, start == START_SLOT],
-                        [running, trunk, slot], zeros)  # fmt: skip
-        o, s = _chunk(q_c, k_c, v_c, g_c, b_c, path, s0, n - 1)
-        o = jnp.where(inside[:, None, None], o, take(out))
-        out = jax.lax.dynamic_update_slice_in_dim(out, o, first, axis=0)
-        trunk = jnp.where(keep == KEEP_TRUNK, s, trunk)
-        slot = jnp.where(keep == KEEP_SLOT, s, slot)
-        if exports:  # written where the chunk is a slot's, else left as it was
-            at = jnp.clip(keep - KEEP_EXPORT, 0, exports - 1)
-            exported = exported.at[at].set(jnp.where(keep >= KEEP_EXPORT, s, exported[at]))
-        return out, s, trunk, slot, exported
+        return _chunk(q_c, k_c, v_c, g_c, b_c, path, s0, count - 1)
 
-    state = jnp.zeros((h, k.shape[-1], v.shape[-1]), jnp.float32)
+    def wave(w, carry):
+        out, states = carry
+        idx = table[w]  # [width] chunk indices, n where a lane is idle
+        first, count = firsts[idx], counts[idx]
+        o, s = jax.vmap(lane)(first, count, states[start_at[idx]])  # [width, C, H, Dv], [width, H, Dk, Dv]
+        at = jnp.where(rows[None, :] < count[:, None], first[:, None] + rows[None, :], t + chunk)
+        out = out.at[at].set(o, mode="drop")  # a chunk's own rows, nothing else
+        states = states.at[jnp.where(idx < n, idx, n + 1)].set(s)
+        return out, states
+
     out = jnp.zeros(v.shape, jnp.float32)
-    exported = jnp.zeros((exports, *state.shape), jnp.float32)
-    out, *_, exported = jax.lax.fori_loop(0, chunks.shape[0], one, (out, state, state, state, exported))
-    return out[:t], exported
+    states = jnp.zeros((n + 2, h, k.shape[-1], v.shape[-1]), jnp.float32)
+    out, states = jax.lax.fori_loop(0, waves, wave, (out, states))
+    keep = chunks[:, 3]
+    slot = jnp.where(keep >= KEEP_EXPORT, keep - KEEP_EXPORT, exports)  # past the end: dropped
+    exported_by = jnp.full(exports, n, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return out[:t], states[exported_by]
+
+
+def _sources(chunks) -> jax.Array:
+    """[N] the chunk whose last state each chunk starts from (-1: zeros), from the table's START_* codes."""
+    n = chunks.shape[0]
+    index = jnp.arange(n, dtype=jnp.int32)
+    start, keep = chunks[:, 2], chunks[:, 3]
+
+    def last_before(kept):  # the last chunk before each one that kept this state, -1 if none
+        latest = jax.lax.cummax(jnp.where(keep == kept, index, -1))
+        return jnp.concatenate([jnp.array([-1], jnp.int32), latest[:-1]])
+
+    return jnp.select(
+        [start == START_RUNNING, start == START_TRUNK, start == START_SLOT],
+        [index - 1, last_before(KEEP_TRUNK), last_before(KEEP_SLOT)],
+        -1,
+    ).astype(jnp.int32)
+
+
+def _waves(chunks, source, rows: int, width: int) -> tuple[jax.Array, jax.Array]:
+    """The order chunks run in: each chunk's depth (how many chunks its start state goes through) by pointer
+    jumping; chunks of one depth in table order, `width` to a wave. → ([N, width] chunk indices per wave, N
+    where a lane is idle; how many waves). The table's padding chunks (first row past the pass) run in
+    none."""
+    n = chunks.shape[0]
+    index = jnp.arange(n, dtype=jnp.int32)
+    real = chunks[:, 0] < rows
+    depth, up = (source >= 0).astype(jnp.int32), source
+    for _ in range(max(1, (n - 1).bit_length())):  # depth doubles its reach each round
+        ahead = up >= 0
+        depth = depth + jnp.where(ahead, depth[jnp.maximum(up, 0)], 0)
+        up = jnp.where(ahead, up[jnp.maximum(up, 0)], -1)
+    depth = jnp.where(real, depth, n)  # padding last, in no wave
+    order = jnp.argsort(depth * n + index)  # by depth, then table order
+    per_depth = jnp.bincount(depth, length=n + 1)[:n]
+    waves_per_depth = -(-per_depth // width)
+    first_wave = jnp.cumsum(waves_per_depth) - waves_per_depth
+    first_of_depth = jnp.cumsum(per_depth) - per_depth
+    sorted_depth = depth[order]
+    rank = jnp.arange(n) - first_of_depth[jnp.minimum(sorted_depth, n - 1)]
+    wave = jnp.where(sorted_depth < n, first_wave[jnp.minimum(sorted_depth, n - 1)] + rank // width, n)
+    table = (
+        jnp.full((n, width), n, jnp.int32).at[wave, rank % width].set(order.astype(jnp.int32), mode="drop")
+    )
+    return table, jnp.sum(waves_per_depth)
 
 
 def _chunk(q, k, v, g, beta, path, s0, last) -> tuple[jax.Array, jax.Array]:

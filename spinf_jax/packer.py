@@ -101,8 +101,8 @@ class Buckets:
         return size * self.targets_per_row
 
     def max_chunks(self, size: int) -> int:
-        """Recurrent chunks a pass holds: none without recurrent layers; two at least, so the chunk loop is a
-        loop (XLA inlines one that runs once, and inlined code rounds differently)."""
+        """Recurrent chunks a pass holds: none without recurrent layers, else one per `rows_per_chunk` rows
+        and two at least (the smallest table TreeBatch.chains lays out too)."""
         return max(2, size // self.rows_per_chunk) if self.recurrent else 0
 
     @property

@@ -62,11 +62,13 @@ def test_the_recurrence_is_not_vacuous():
     assert not np.allclose(recurrent(q, k, v, g, beta, state)[0], o, atol=1e-3)
 
 
-def test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path():
+@pytest.mark.parametrize("width", [1, 4, 32])
+def test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path(width):
     """Two trees in one pass (a trunk over a chunk, a template over a chunk, option tries with shared
     prefixes and forks, an empty template, a question on empty content, extraction slots): every row's
     output is the recurrence from zero along its own path, the rows before it that it descends from, and
-    the state handed to each slot's decoding is the recurrence's at the slot row."""
+    the state handed to each slot's decoding is the recurrence's at the slot row; chunks one at a time, or
+    4 or 32 side by side (a wave's lanes idle where fewer are ready)."""
     questions = [
         QuestionKey((11, 12, 13), ((40,), (41,))),
         QuestionKey((14,) * 70, ((50, 51, 52), (50, 51, 53), (50, 60), (70,))),
@@ -79,7 +81,9 @@ def test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path():
     [p] = pack(trees, Buckets((512,), block=32, recurrent=True))
     q, k, v, g, beta, _ = _inputs(5, p.size)
     slots = len(p.export_rows)
-    o, states = tree_chunked(q, k, v, g, beta, jnp.asarray(p.span_end), jnp.asarray(p.chunks), exports=slots)
+    o, states = tree_chunked(
+        q, k, v, g, beta, jnp.asarray(p.span_end), jnp.asarray(p.chunks), exports=slots, width=width
+    )
     paths = []
     for offset, tree in zip(p.row_offset, trees, strict=True):
         for row in range(len(tree)):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.gated_delta import token, tree_chunked
+from pallas_kernels.gated_delta import token, tree_chunked, wave_width
 from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.layers import (
     Batch,
@@ -194,7 +194,9 @@ class GatedDeltaLayer(_Layer):
         window = jnp.stack(earlier, axis=1)  # [T, kernel, channels]: the row, then the rows before it
         q, k, v, g, beta = by_rows(self._gate_inputs, row_tile, window, b, a)
         slots = batch.export_rows
-        o, states = tree_chunked(q, k, v, g, beta, batch.span_end, batch.chunks, exports=slots.shape[0])
+        o, states = tree_chunked(
+            q, k, v, g, beta, batch.span_end, batch.chunks, exports=slots.shape[0], width=wave_width()
+        )
         out = self._feed_forward(row_tile, self._mixed, x, o, z)
         if not slots.shape[0]:
             return out, None

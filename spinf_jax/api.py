@@ -572,7 +572,8 @@ class Health(Struct, kw_only=True, omit_defaults=True):
     system_fingerprint: str | None = None
     buckets: Annotated[list[int] | None, Meta(description="the compiled pass sizes, in tokens")] = None
     limits: Annotated[
-        dict[str, int] | None, Meta(description="the request limits, max_body_bytes included")
+        dict[str, int | float | bool] | None,
+        Meta(description="the request limits, max_body_bytes included (allow_remote_media: a flag)"),
     ] = None
     memory: DeviceMemory | None = None
     packs: Annotated[list[PackInfo] | None, Meta(description="the prompt packs requests may name")] = None

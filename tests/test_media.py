@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from spinf_jax import media
+from spinf_jax.client import Client
 from spinf_jax.compiler import Limits
 from spinf_jax.errors import ScoringError
 from spinf_jax.media import MediaError, decode_data_url, open_image
@@ -173,6 +174,9 @@ def test_the_server_reads_images_and_says_what_is_wrong_with_them():
         assert _logprobs(again, "a") == _logprobs(ok.json(), "a")
         limits = httpx.get(f"{url}/health").json()["limits"]
         assert limits["max_images_per_content"] == 16 and limits["max_image_bytes"] == 1_500_000
+        assert limits["allow_remote_media"] is False and limits["remote_media_timeout_s"] == 10
+        with Client(url) as client:  # the typed client reads the flag and the seconds among the numbers
+            assert client.health().limits["allow_remote_media"] is False
 
 
 def test_image_limits_at_their_edges():

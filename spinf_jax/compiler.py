@@ -132,6 +132,15 @@ class ContentImage:
     def digest(self) -> str:
         return media.digest(self.data)
 
+    def soft_count(self, fmt: ImageFormat) -> int:
+        """How many soft tokens the model reads this image as (from its size: its header is read here, the
+        whole file when the engine reads it)."""
+        where = self.param + ".image_url.url"
+        try:
+            return fmt.soft_count(media.image_size(self.data, where), where)
+        except media.MediaError as e:
+            raise ScoringError(e.code, str(e), where) from None
+
 
 # Images in a content: (the row of the image's first soft token among the content's tokens, the image).
 Images = tuple[tuple[int, ContentImage], ...]
@@ -246,18 +255,18 @@ def _content_ids(
     fmt: ImageFormat | None,
     param: str,
 ) -> tuple[tuple[int, ...], Images]:
-    """The tokens of a content's text with each image's where it stands: "\\n\\n", the image's start token,
-    its soft tokens, its end token, "\\n\\n" (Gemma 3's processor expands an image so), each piece of text
-    tokenised on its own."""
+    """The tokens of a content's text with each image's where it stands: the format's gap text, the image's
+    start token, its soft tokens, its end token, the gap text (as the model's processor expands an image),
+    each piece of text tokenised on its own."""
     if not images:
         return ids[text], ()
     out, placed = [], []
     pieces = _image_pieces(text, images, param)
-    gap = ids["\n\n"]
+    gap = ids[fmt.gap] if fmt.gap else ()
     for piece, image in zip(pieces, images, strict=False):
         out += [*ids[piece], *gap, fmt.start_id]
         placed.append((len(out), image))
-        out += [fmt.image_id] * fmt.soft_tokens + [fmt.end_id, *gap]
+        out += [fmt.image_id] * image.soft_count(fmt) + [fmt.end_id, *gap]
     out += ids[pieces[-1]]
     return tuple(out), tuple(placed)
 
@@ -826,7 +835,7 @@ def compile_request(
         piece
         for item, strings in texts.items()
         for text in strings
-        for piece in (_image_pieces(text, item.images, item.param) + ["\n\n"] if item.images else [text])
+        for piece in (_image_pieces(text, item.images, item.param) + [fmt.gap] if item.images else [text])
     ]
     ids = _tokenize(tokenizer, pieces, used)
 

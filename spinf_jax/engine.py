@@ -368,14 +368,15 @@ class Engine:
         return {"graphdef": self._graphdef, "row_tile": self.model.row_tile}
 
     def image_tokens(self, digest: str, data: bytes, param: str) -> jax.Array:
-        """An image's soft tokens [soft_tokens, hidden] on the device, from its file (`digest`: media.digest
-        of `data`; `param`: its field, for errors): decoded, preprocessed and read by the tower once per file
-        while it stays among the IMAGE_CACHE most recent. Raises media.MediaError."""
+        """An image's soft tokens [n, hidden] on the device (n: ImageFormat.soft_count), from its file
+        (`digest`: media.digest of `data`; `param`: its field, for errors): decoded, preprocessed and read by
+        the tower once per file while it stays among the IMAGE_CACHE most recent. Raises media.MediaError."""
         with self._images_lock:
             if digest in self._images:
                 self._images.move_to_end(digest)
                 return self._images[digest]
-        soft = self.model.soft_tokens(self.model.image_format.pixels(media.open_image(data, param)))
+        fmt, image = self.model.image_format, media.open_image(data, param)
+        soft = self.model.soft_tokens(*fmt.tower_inputs(image, param))[: fmt.soft_count(image.size, param)]
         with self._images_lock:
             self._images[digest] = soft
             while len(self._images) > IMAGE_CACHE:

@@ -23,7 +23,6 @@ from spinf_jax.models import abstract_decoder, abstract_tower
 from spinf_jax.models.decoder import Decoder, hidden_states, split
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.models.params import Kind, params, per_source, stacked_shape, stored_as
-from spinf_jax.models.siglip import VisionTower
 from spinf_jax.progress import Progress, Steps
 from spinf_jax.quant import Precision, QuantArray, Weight, quantize
 from spinf_jax.quantized import SCALE_SUFFIX, written_precision
@@ -240,7 +239,7 @@ class Model:
     tokenizer: Tokenizer | None
     digest: str = ""  # checkpoint_digest of what was loaded
     load_seconds: float = 0.0
-    vision: VisionTower | None = None  # the images' tower, for models that read images
+    vision: nnx.Module | None = None  # the images' tower (models.abstract_tower), for models that read them
     image_format: ImageFormat | None = None  # how they are preprocessed and stand in the content
     # Row-local work in tiles of this many rows (see models.layers.by_rows); None runs each pass's rows at
     # once, which is row-invariant on no backend we measured (docs/batch-invariance.md).
@@ -265,15 +264,16 @@ class Model:
             )
         return jitted(*split(self.decoder), *args)
 
-    def soft_tokens(self, pixels) -> jax.Array:
-        """An image's soft tokens [soft_tokens, hidden] from its pixels [3, H, W] (ImageFormat.pixels): the
-        input embeddings of its rows in a pass (TreeBatch.with_images). One image a call, one program."""
+    def soft_tokens(self, *inputs) -> jax.Array:
+        """An image's soft tokens [rows, hidden] from what its tower reads (ImageFormat.tower_inputs): the
+        input embeddings of its rows in a pass (TreeBatch.with_images); the image's are the first
+        ImageFormat.soft_count rows. One image a call, one program."""
         if self.vision is None:
             raise ValueError(f"{self.name} reads no images")
         jitted = self._jitted.get("vision")
         if jitted is None:
-            jitted = self._jitted["vision"] = jax.jit(lambda g, w, p: nnx.merge(g, w)(p), static_argnums=0)
-        return jitted(*split(self.vision), jnp.asarray(pixels))
+            jitted = self._jitted["vision"] = jax.jit(lambda g, w, *x: nnx.merge(g, w)(*x), static_argnums=0)
+        return jitted(*split(self.vision), *map(jnp.asarray, inputs))
 
     def hidden(self, batch: TreeBatch) -> jax.Array:
         """[T, hidden] final hidden states of a packed pass."""

@@ -13,6 +13,7 @@ import binascii
 import hashlib
 import io
 import json
+import math
 import time
 import urllib.error
 import urllib.parse
@@ -40,20 +41,28 @@ class MediaError(ValueError):
 
 @dataclass(frozen=True)
 class ImageFormat:
-    """How a model reads an image: its preprocessing (the checkpoint's preprocessor_config.json) and the
-    tokens it takes in the content (Gemma 3's processor writes "\\n\\n<start_of_image>", `soft_tokens`
-    image tokens and "<end_of_image>\\n\\n" where the image is)."""
+    """How a model reads an image: its preprocessing (the checkpoint's preprocessor_config.json), the arrays
+    its tower takes, and the tokens the image stands as in the content: `gap` text, the start token, one
+    image token per soft token, the end token, `gap` text."""
 
-    height: int
-    width: int
     resample: int  # a PIL resampling filter
     rescale: float
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
-    soft_tokens: int
     start_id: int
     end_id: int
     image_id: int
+    gap: str
+
+    def soft_count(self, size: tuple[int, int], param: str) -> int:
+        """How many soft tokens an image of `size` (width, height) becomes; MediaError if it can't be read."""
+        raise NotImplementedError
+
+    def tower_inputs(self, image: Image.Image, param: str) -> tuple[np.ndarray, ...]:
+        """The image as the tower reads it (one shape for every image: one compiled program)."""
+        raise NotImplementedError
+
+    def _rescaled(self, rgb: Image.Image) -> np.ndarray:
+        """[H, W, 3] float32, as transformers' processors rescale: in float64, then cast."""
+        return (np.asarray(rgb).astype(np.float64) * self.rescale).astype(np.float32)
 
     @staticmethod
     def from_checkpoint(config: dict, folder: Path | None) -> "ImageFormat | None":
@@ -64,30 +73,127 @@ class ImageFormat:
             return None
         pre = folder / "preprocessor_config.json" if folder is not None else None
         p = json.loads(pre.read_text()) if pre is not None and pre.is_file() else {}
+        if config.get("model_type") == "gemma4":
+            return PatchedImages.from_config(config, p)
+        return SquareImages.from_config(config, p)
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class SquareImages(ImageFormat):
+    """Gemma 3: every image resized to one square (transformers' Gemma3ImageProcessorPil: RGB, PIL's resize,
+    rescale, normalise in float32) and read as `soft_tokens` soft tokens; the processor writes
+    "\n\n<start_of_image>", the image tokens, "<end_of_image>\n\n"."""
+
+    height: int = 896
+    width: int = 896
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    soft_tokens: int = 256
+
+    @staticmethod
+    def from_config(config: dict, p: dict) -> "SquareImages":
         if p.get("do_pan_and_scan"):
             raise ValueError("pan-and-scan image crops (do_pan_and_scan) are not supported")
-        side = vision["image_size"]
+        side = config["vision_config"]["image_size"]
         size = p.get("size") or {"height": side, "width": side}
-        return ImageFormat(
-            height=size["height"],
-            width=size["width"],
+        return SquareImages(
             resample=p.get("resample", Image.Resampling.BILINEAR),
             rescale=p.get("rescale_factor", 1 / 255),
-            mean=tuple(p.get("image_mean", (0.5, 0.5, 0.5))),
-            std=tuple(p.get("image_std", (0.5, 0.5, 0.5))),
-            soft_tokens=config.get("mm_tokens_per_image", 256),
             start_id=config.get("boi_token_index", config.get("boi_token_id")),
             end_id=config.get("eoi_token_index", config.get("eoi_token_id")),
             image_id=config.get("image_token_index", config.get("image_token_id")),
+            gap="\n\n",
+            height=size["height"],
+            width=size["width"],
+            mean=tuple(p.get("image_mean", (0.5, 0.5, 0.5))),
+            std=tuple(p.get("image_std", (0.5, 0.5, 0.5))),
+            soft_tokens=config.get("mm_tokens_per_image", 256),
         )
 
-    def pixels(self, image: Image.Image) -> np.ndarray:
-        """[3, height, width] float32: the image as the tower reads it."""
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
-        resized = np.asarray(rgb.resize((self.width, self.height), self.resample))  # [H, W, 3] uint8
-        rescaled = (resized.astype(np.float64) * self.rescale).astype(np.float32)
+    def soft_count(self, size: tuple[int, int], param: str) -> int:
+        return self.soft_tokens
+
+    def tower_inputs(self, image: Image.Image, param: str) -> tuple[np.ndarray]:
+        """([3, height, width] float32,)."""
+        rescaled = self._rescaled(_rgb(image).resize((self.width, self.height), self.resample))
         mean, std = np.array(self.mean, np.float32), np.array(self.std, np.float32)
-        return ((rescaled - mean) / std).transpose(2, 0, 1)
+        return (((rescaled - mean) / std).transpose(2, 0, 1),)
+
+
+@dataclass(frozen=True)
+class PatchedImages(ImageFormat):
+    """Gemma 4: an image keeps its aspect ratio. It is resized (unless it already fits) to the largest size
+    whose sides are multiples of pool × patch pixels and whose patches fit the budget of max_soft_tokens ×
+    pool² (transformers' Gemma4ImageProcessorPil: RGB, PIL's resize, rescale, no normalisation), cut into
+    patches, and read as patches / pool² soft tokens; the processor writes "<|image>", the image tokens,
+    "<image|>", with nothing around them."""
+
+    patch: int = 16
+    pool: int = 3
+    max_soft_tokens: int = 280  # the processor's budget (one of 70, 140, 280, 560, 1120)
+
+    @staticmethod
+    def from_config(config: dict, p: dict) -> "PatchedImages":
+        vision = config["vision_config"]
+        if p.get("do_normalize"):
+            raise ValueError("Gemma 4 images normalised by a mean and std (do_normalize) are not supported")
+        return PatchedImages(
+            resample=p.get("resample", Image.Resampling.BICUBIC),
+            rescale=p.get("rescale_factor", 1 / 255),
+            start_id=config.get("boi_token_id", 255_999),
+            end_id=config.get("eoi_token_id", 258_882),
+            image_id=config.get("image_token_id", 258_880),
+            gap="",
+            patch=p.get("patch_size", vision.get("patch_size", 16)),
+            pool=p.get("pooling_kernel_size", vision.get("pooling_kernel_size", 3)),
+            max_soft_tokens=p.get("max_soft_tokens", 280),
+        )
+
+    @property
+    def max_patches(self) -> int:
+        return self.max_soft_tokens * self.pool**2
+
+    def resized(self, size: tuple[int, int], param: str) -> tuple[int, int]:
+        """(width, height) an image of `size` (width, height) is read at; raises MediaError for an image too
+        small to hold one soft token's square."""
+        width, height = size
+        side = self.pool * self.patch
+        factor = math.sqrt(self.max_patches * self.patch**2 / (width * height))
+        w, h = math.floor(factor * width / side) * side, math.floor(factor * height / side) * side
+        longest = self.max_soft_tokens * side  # the processor's cap when one side rounds to zero
+        if w == 0 and h == 0:
+            too_small = f"a {width}x{height} image is too small for one {side}x{side} square"
+            raise MediaError("invalid_media", f"{param}: {too_small}")
+        if h == 0:
+            h, w = side, min(width // height * side, longest)
+        elif w == 0:
+            w, h = side, min(height // width * side, longest)
+        return w, h
+
+    def soft_count(self, size: tuple[int, int], param: str) -> int:
+        w, h = self.resized(size, param)
+        return (w // self.patch) * (h // self.patch) // self.pool**2
+
+    def tower_inputs(self, image: Image.Image, param: str) -> tuple[np.ndarray, np.ndarray]:
+        """(patches [max_patches, patch² · 3] float32: each patch's pixels by row, column, channel; positions
+        [max_patches, 2] int32: each patch's (x, y) on the image's grid), the image's patches row-major, then
+        zero patches at position (-1, -1) up to the budget."""
+        rgb = _rgb(image)
+        w, h = self.resized(rgb.size, param)
+        pixels = self._rescaled(rgb if rgb.size == (w, h) else rgb.resize((w, h), self.resample))
+        p, across, down = self.patch, w // self.patch, h // self.patch
+        patches = pixels.reshape(down, p, across, p, 3).transpose(0, 2, 1, 3, 4).reshape(down * across, -1)
+        y, x = np.mgrid[0:down, 0:across]
+        positions = np.stack([x.ravel(), y.ravel()], -1).astype(np.int32)
+        pad = self.max_patches - len(patches)
+        return (
+            np.pad(patches, ((0, pad), (0, 0))),
+            np.pad(positions, ((0, pad), (0, 0)), constant_values=-1),
+        )
 
 
 def decode_data_url(url: str, param: str) -> bytes:
@@ -150,6 +256,15 @@ def fetch(url: str, param: str, *, max_bytes: int, timeout_s: float) -> bytes:
     except (urllib.error.URLError, OSError, ValueError) as e:  # TimeoutError is an OSError
         reason = getattr(e, "reason", e)
         raise MediaError("media_unreachable", f"{param}: could not fetch {url} ({reason})") from None
+
+
+def image_size(data: bytes, param: str) -> tuple[int, int]:
+    """An image file's (width, height), from its header (the pixels are decoded by open_image)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except Exception as e:  # Pillow raises many kinds for a file it cannot identify
+        raise MediaError("invalid_media", f"{param}: not an image Pillow can read ({e})") from None
 
 
 def open_image(data: bytes, param: str) -> Image.Image:

@@ -1,6 +1,6 @@
-"""Images: preprocessing, the vision tower and prompts that hold images, against transformers
+"""Images: preprocessing, the vision towers and prompts that hold images, against transformers
 (fixtures/references/media, recorded by fixtures/record_references.py record-media from the tiny Gemma 3
-with a SigLIP tower)."""
+with a SigLIP tower and the tiny Gemma 4 with its vision tower)."""
 
 import base64
 import dataclasses
@@ -30,52 +30,122 @@ from tests.serving import serving
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MEDIA = FIXTURES / "media"
-REFERENCE = FIXTURES / "references" / "media" / "tiny-gemma3-vision.json.gz"
-IMAGES = FIXTURES / "references" / "media" / "tiny-gemma3-vision.images.json.gz"
+REFERENCES = FIXTURES / "references" / "media"
+FAMILIES = ("gemma3-vision", "gemma4-vision")
 
 
-def model():
-    return engines.model("gemma3-vision")
+def model(family: str = "gemma3-vision"):
+    return engines.model(family)
 
 
 @functools.cache
-def recorded_images() -> dict:
-    return json.loads(gzip.decompress(IMAGES.read_bytes()))
+def recorded_images(family: str = "gemma3-vision") -> dict:
+    return json.loads(gzip.decompress((REFERENCES / f"tiny-{family}.images.json.gz").read_bytes()))
+
+
+@functools.cache
+def recorded_prompts(family: str) -> list[dict]:
+    return json.loads(gzip.decompress((REFERENCES / f"tiny-{family}.json.gz").read_bytes()))["prompts"]
 
 
 def test_pixels_are_transformers_pil_preprocessor_bits():
-    """Resize, rescale and normalise as Gemma3ImageProcessorPil does: RGB, greyscale and RGBA inputs, up-
-    and down-sized."""
+    """Gemma 3: resize, rescale and normalise as Gemma3ImageProcessorPil does: RGB, greyscale and RGBA
+    inputs, up- and down-sized."""
     for name, recorded in recorded_images().items():
-        got = model().image_format.pixels(Image.open(MEDIA / name))
+        [got] = model().image_format.tower_inputs(Image.open(MEDIA / name), name)
         np.testing.assert_array_equal(got, np.asarray(recorded["pixels"], np.float32), err_msg=name)
 
 
-def test_soft_tokens_match_transformers():
-    for name, recorded in recorded_images().items():
-        got = model().soft_tokens(np.asarray(recorded["pixels"], np.float32))
+def test_gemma4_patches_are_transformers_pil_preprocessor_bits():
+    """Gemma 4: each image resized keeping its aspect ratio (grey.png already fits and is not resized),
+    cut into patches, padded to the budget, with the patches' grid positions, as Gemma4ImageProcessorPil
+    does (recorded as the k of each value k / 255)."""
+    fmt = model("gemma4-vision").image_format
+    for name, recorded in recorded_images("gemma4-vision").items():
+        patches, positions = fmt.tower_inputs(Image.open(MEDIA / name), name)
+        want = (np.asarray(recorded["patches"], np.float64) * (1 / 255)).astype(np.float32)
+        np.testing.assert_array_equal(patches, want, err_msg=name)
+        np.testing.assert_array_equal(positions, np.asarray(recorded["positions"]), err_msg=name)
+
+
+def test_gemma4_soft_token_counts_are_the_processors():
+    """An image's soft-token count follows from its size as in transformers' processor (its function, which
+    runs without torch), for ordinary and extreme aspect ratios; one too small for a single square is
+    refused."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
+
+    fmt = model("gemma4-vision").image_format
+    rng = np.random.default_rng(0)
+    sizes = [tuple(s) for s in rng.integers(1, 400, size=(200, 2))] + [(1, 1000), (1000, 1), (3, 5), (8, 8)]
+    for width, height in sizes:
+        try:
+            h, w = get_aspect_ratio_preserving_size(height, width, fmt.patch, fmt.max_patches, fmt.pool)
+        except ValueError:
+            with pytest.raises(MediaError, match="too small") as e:
+                fmt.soft_count((width, height), "x")
+            assert e.value.code == "invalid_media"
+            continue
+        want = (h // fmt.patch) * (w // fmt.patch) // fmt.pool**2
+        assert fmt.soft_count((width, height), "x") == want, (width, height)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_soft_tokens_match_transformers(family):
+    m = model(family)
+    for name, recorded in recorded_images(family).items():
+        inputs = m.image_format.tower_inputs(Image.open(MEDIA / name), name)
         want = np.asarray(recorded["soft_tokens"])
+        got = m.soft_tokens(*inputs)[: m.image_format.soft_count(Image.open(MEDIA / name).size, name)]
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), err_msg=name)
 
 
-def test_image_rows_see_the_whole_image():
-    """Parity with transformers (fixtures/manifest.json's tiny-gemma3-vision entry, through the engine) holds
-    only with the images read and their rows attending both ways: without the image, or with the causal mask
-    alone, the recorded prompt's scores move."""
-    m, fmt = model(), model().image_format
-    prompt = json.loads(gzip.decompress(REFERENCE.read_bytes()))["prompts"][0]
-    ids = prompt["token_ids"]
-    row = ids.index(fmt.start_id) + 1
-    soft = m.soft_tokens(fmt.pixels(Image.open(MEDIA / prompt["images"][0])))
-    batch = TreeBatch.sequence(ids).with_images([(row, soft)])
-    causal = dataclasses.replace(batch, reach=None)
+def _prompt_logprobs(m, prompt: dict, both_ways: bool = True) -> np.ndarray:
+    """A recorded prompt's log-probabilities through the model, its images read (both_ways=False: with the
+    causal mask alone; no images: none read)."""
+    fmt, ids = m.image_format, prompt["token_ids"]
+    rows = [i + 1 for i, token in enumerate(ids) if token == fmt.start_id]
+    images = []
+    for row, name in zip(rows, prompt["images"], strict=False):  # none: the images not read
+        image = Image.open(MEDIA / name)
+        soft = m.soft_tokens(*fmt.tower_inputs(image, name))[: fmt.soft_count(image.size, name)]
+        images.append((row, soft))
+    batch = TreeBatch.sequence(ids)
+    if images:
+        batch = batch.with_images(images)
+    if not both_ways:
+        batch = dataclasses.replace(batch, reach=None)
     targets = jnp.asarray(ids[1:])[:, None]
-    both = np.asarray(m.logprobs(m.hidden(batch)[: len(ids) - 1], targets)[0])[:, 0]
-    one_way = np.asarray(m.logprobs(m.hidden(causal)[: len(ids) - 1], targets)[0])[:, 0]
-    blind = np.asarray(m.logprobs(m.hidden(TreeBatch.sequence(ids))[: len(ids) - 1], targets)[0])[:, 0]
+    return np.asarray(m.logprobs(m.hidden(batch)[: len(ids) - 1], targets)[0])[:, 0]
+
+
+def test_image_rows_see_the_whole_image():
+    """Gemma 3: parity with transformers (fixtures/manifest.json's tiny-gemma3-vision entry, through the
+    engine) holds only with the images read and their rows attending both ways: without the image, or with
+    the causal mask alone, the recorded prompt's scores move."""
+    m = model()
+    prompt = recorded_prompts("gemma3-vision")[0]
+    both = _prompt_logprobs(m, prompt)
+    one_way = _prompt_logprobs(m, prompt, both_ways=False)
+    blind = _prompt_logprobs(m, {**prompt, "images": []})
     np.testing.assert_allclose(both, prompt["logprobs"], atol=1e-4)
     assert np.abs(one_way - both).max() > 1e-2 and np.abs(blind - both).max() > 1.0
+
+
+def test_gemma4_image_rows_see_each_other_on_sliding_layers_only(monkeypatch):
+    """Gemma 4 (use_bidirectional_attention "vision"): parity holds with an image's rows seeing the whole
+    image on the sliding layers and attending causally on the global one; causal everywhere, or both ways on
+    every layer as Gemma 3 does, moves the scores by more than a nat. (The manifest's parity also fails,
+    by 4.8 to 10.6, if an image row's per-layer input is its own token's rather than the pad token's.)"""
+    from spinf_jax.models import gemma4
+
+    m, prompt = model("gemma4-vision"), recorded_prompts("gemma4-vision")[1]  # two images
+    np.testing.assert_allclose(_prompt_logprobs(m, prompt), prompt["logprobs"], atol=1e-4)
+    assert np.abs(_prompt_logprobs(m, prompt, both_ways=False) - prompt["logprobs"]).max() > 1.0
+    attention = gemma4.attention
+    monkeypatch.setattr(gemma4, "attention", lambda *a, **k: attention(*a, **{**k, "media_both_ways": True}))
+    everywhere = dataclasses.replace(m, _jitted={})  # traced again, with the patched attention
+    assert np.abs(_prompt_logprobs(everywhere, prompt) - prompt["logprobs"]).max() > 1.0
 
 
 @pytest.mark.parametrize(
@@ -123,13 +193,22 @@ def _logprobs(response: dict, input_id: str) -> list[float]:
     return [o["logprob"] for o in result["queries"][0]["combinations"][0]["options"]]
 
 
-def test_an_images_scores_do_not_depend_on_what_else_is_asked():
+def _soft_count(family: str, *names: str) -> int:
+    fmt = model(family).image_format
+    return sum(fmt.soft_count(Image.open(MEDIA / name).size, name) for name in names)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_images_scores_do_not_depend_on_what_else_is_asked(family):
     """A content with images scores the same bits alone, packed after a long text content (another bucket),
-    beside other images, and asked again (its soft tokens then come from the engine's cache)."""
-    scorer = Scorer(engines.engine("gemma3-vision"), packs={})
+    beside other images (of other sizes, for Gemma 4), and asked again (its soft tokens then come from the
+    engine's cache)."""
+    scorer = Scorer(engines.engine(family), packs={})
     target = image_input("target", "Look:", "gradient.png", "grey.png")
     alone = scorer.score({"inputs": [target], "scoring": {"queries": [QUERY]}})
-    assert alone["usage"]["prompt_tokens_details"]["image_tokens"] == 32
+    counted = alone["usage"]["prompt_tokens_details"]["image_tokens"]
+    assert counted == _soft_count(family, "gradient.png", "grey.png")
+    assert counted == {"gemma3-vision": 16 + 16, "gemma4-vision": 63 + 64}[family]
     long_text = {"id": "text", "messages": [{"role": "user", "content": "words " * 300}]}
     others = [long_text, image_input("other", "And:", "alpha.png", "stripes.png")]
     packed = scorer.score({"inputs": [*others, target], "scoring": {"queries": [QUERY]}})
@@ -141,11 +220,12 @@ def test_an_images_scores_do_not_depend_on_what_else_is_asked():
     )
 
 
-def test_the_server_reads_images_and_says_what_is_wrong_with_them():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_server_reads_images_and_says_what_is_wrong_with_them(family):
     from spinf_jax.server.app import Settings, create_app
 
-    settings = Settings(str(FIXTURES / "tiny" / "gemma3-vision"), "fp32", buckets=(256, 512, 1024), packs={})
-    with serving(create_app(settings, engines.engine("gemma3-vision"))) as url:
+    settings = Settings(str(FIXTURES / "tiny" / family), "fp32", buckets=(256, 512, 1024), packs={})
+    with serving(create_app(settings, engines.engine(family))) as url:
 
         def post(*inputs):
             return httpx.post(
@@ -154,7 +234,8 @@ def test_the_server_reads_images_and_says_what_is_wrong_with_them():
 
         ok = post(image_input("a", "Look:", "gradient.png"))
         assert ok.status_code == 200, ok.text
-        assert ok.json()["usage"]["prompt_tokens_details"]["image_tokens"] == 16
+        image_tokens = ok.json()["usage"]["prompt_tokens_details"]["image_tokens"]
+        assert image_tokens == _soft_count(family, "gradient.png")
         corrupt = image_input("a", "Look:", "gradient.png")
         url_field = corrupt["messages"][0]["content"][1]["image_url"]
         head, body = url_field["url"].split(",")

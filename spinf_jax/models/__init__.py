@@ -4,13 +4,12 @@ transformers config."""
 
 from flax import nnx
 
+from spinf_jax.models import gemma4_vision, siglip
 from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.gemma3 import Gemma3
 from spinf_jax.models.gemma4 import Gemma4
 from spinf_jax.models.llama import Llama
 from spinf_jax.models.qwen3_5 import Qwen3_5
-from spinf_jax.models.siglip import Config as VisionConfig
-from spinf_jax.models.siglip import VisionTower
 from spinf_jax.quant import Precision
 
 _FAMILIES: dict[str, type[Decoder]] = {
@@ -44,11 +43,16 @@ def abstract_decoder(hf_config: dict, precision: Precision | str) -> Decoder:
     return nnx.eval_shape(lambda: family(config, Precision(precision)))
 
 
-def abstract_tower(hf_config: dict, precision: Precision | str) -> VisionTower | None:
-    """The vision tower of a checkpoint whose images we read (Gemma 3's), abstract as abstract_decoder's
-    model; None for every other checkpoint: text-only models, and multimodal families whose towers are not
-    built yet, which then read text only."""
-    if hf_config.get("model_type") != "gemma3" or "vision_config" not in hf_config:
+# The vision towers we build, by the checkpoint's model_type.
+_TOWERS = {"gemma3": siglip, "gemma4": gemma4_vision}
+
+
+def abstract_tower(hf_config: dict, precision: Precision | str) -> nnx.Module | None:
+    """The vision tower of a checkpoint whose images we read (Gemma 3's SigLIP, Gemma 4's), abstract as
+    abstract_decoder's model; None for every other checkpoint: text-only models, and multimodal families
+    whose towers are not built yet (Qwen3.5's), which then read text only."""
+    family = _TOWERS.get(hf_config.get("model_type"))
+    if family is None or hf_config.get("vision_config") is None:
         return None
-    config = VisionConfig.from_hf(hf_config)
-    return nnx.eval_shape(lambda: VisionTower(config, Precision(precision)))
+    config = family.Config.from_hf(hf_config)
+    return nnx.eval_shape(lambda: family.VisionTower(config, Precision(precision)))

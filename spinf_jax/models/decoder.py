@@ -96,9 +96,11 @@ class Decoder(nnx.Module):
 
         keep_kv=False keeps only those another layer reads (a scan's outputs stay alive to its end, where XLA
         would free an unrolled layer's keys as soon as nothing reads them)."""
-        x, per_layer = by_rows(self._inputs, row_tile, batch.tokens)
+        inputs = (batch.tokens,)
         if isinstance(batch, TreeBatch) and batch.media is not None:
-            x = _place_media(x, batch.media, batch.media_row)
+            # Each row's soft token [T, hidden] (media's row 0 where it has none) and which rows have one.
+            inputs += (batch.media[jnp.maximum(batch.media_row, 0)], batch.media_row >= 0)
+        x, per_layer = by_rows(self._inputs, row_tile, *inputs)
         read = {j for i in range(self.num_layers) if (j := self.kv_source(i)) != i}  # layers others read
         kv, entering = [], []
         for s, stack in enumerate(self.stacks):
@@ -170,9 +172,11 @@ class Decoder(nnx.Module):
             memory = take(batch.cache[s][k]), take(batch.history[s][k])
         return take(kv[s][k]), memory
 
-    def _inputs(self, tokens):
-        """Row-local: the input embedding [T, hidden] and the layers' own inputs [T, layers, P] (or None)."""
-        return self._embed(tokens), None
+    def _inputs(self, tokens, soft=None, is_media=None):
+        """Row-local: the input embedding [T, hidden] and the layers' own inputs [T, layers, P] (or None).
+        In a pass with images, the rows `is_media` [T] take their soft tokens `soft` [T, hidden] instead of
+        their token's embedding (with_media)."""
+        return with_media(self._embed(tokens), soft, is_media), None
 
     def _embed(self, tokens):
         """Row-local: the input embedding [T, hidden] in the activation dtype (Gemma scales it)."""
@@ -211,11 +215,12 @@ class Decoder(nnx.Module):
             self.sow(nnx.Intermediate, "hidden", x[capture])
 
 
-def _place_media(x: jax.Array, media: jax.Array, media_row: jax.Array) -> jax.Array:
-    """The input embeddings x [T, hidden] with an image's rows replaced by its soft tokens, as they are
-    (transformers scatters them after the embedding and its scale)."""
-    soft = media[jnp.maximum(media_row, 0)].astype(x.dtype)
-    return jnp.where((media_row >= 0)[:, None], soft, x)
+def with_media(x: jax.Array, soft: jax.Array | None, is_media: jax.Array | None) -> jax.Array:
+    """The input embeddings x [T, hidden] with the media rows' replaced by their soft tokens (as transformers
+    scatters an image's features over its placeholder tokens)."""
+    if soft is None:
+        return x
+    return jnp.where(is_media[:, None], soft.astype(x.dtype), x)
 
 
 def split(decoder: Decoder) -> tuple[nnx.GraphDef, dict]:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spinf_jax.models.decoder import Decoder
+from spinf_jax.models.decoder import Decoder, with_media
 from spinf_jax.models.layers import (
     GLOBAL,
     SLIDING,
@@ -63,6 +63,10 @@ class Config:
     tie_embeddings: bool
     rms_norm_eps: float = 1e-6
     final_logit_softcapping: float | None = None
+    # An image's rows see the whole image (both ways) on sliding layers; global layers stay causal
+    # (use_bidirectional_attention "vision"; transformers' create_masks_for_vision_model).
+    images_both_ways: bool = False
+    pad_id: int = 0  # an image row's per-layer input is the pad token's
     experts: int = 0  # the MoE variant: experts beside every layer's MLP (0: none)
     top_k_experts: int = 0
     moe_intermediate_size: int = 0
@@ -76,7 +80,8 @@ class Config:
         tied = c.get("tie_word_embeddings", True)
         c = c.get("text_config", c)
         moe = bool(c.get("enable_moe_block"))
-        if c.get("use_bidirectional_attention") == "all" or c.get("attention_bias"):
+        bidirectional = c.get("use_bidirectional_attention")
+        if bidirectional == "all" or c.get("attention_bias"):
             raise ValueError("bidirectional Gemma 4 text attention and attention biases are not supported")
         n, per_layer = c["num_hidden_layers"], c.get("hidden_size_per_layer_input") or 0
         layer_types = list(c.get("layer_types") or [SLIDING if (i + 1) % 6 else GLOBAL for i in range(n)])
@@ -117,6 +122,8 @@ class Config:
             tie_embeddings=bool(c.get("tie_word_embeddings", tied)),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             final_logit_softcapping=c.get("final_logit_softcapping"),
+            images_both_ways=bidirectional == "vision",
+            pad_id=c.get("pad_token_id") or 0,
             experts=c["num_experts"] if moe else 0,
             top_k_experts=c["top_k_experts"] if moe else 0,
             moe_intermediate_size=c["moe_intermediate_size"] if moe else 0,
@@ -190,7 +197,8 @@ class Layer(nnx.Module):
         if not own:
             k, v = shared_kv
         window = self.cfg.sliding_window if self.sliding else None
-        attn = attention(q, k, v, batch, scale=1.0, window=window)
+        both_ways = self.sliding and self.cfg.images_both_ways
+        attn = attention(q, k, v, batch, scale=1.0, window=window, media_both_ways=both_ways)
         extra = () if per_layer is None else (per_layer,)
         if self.experts is None:
             return by_rows(self._after_attention, row_tile, x, attn, *extra), (k, v) if own else None
@@ -282,12 +290,17 @@ class Gemma4(Decoder):
     def kv_source(self, i: int) -> int:
         return self.config.kv_source(i)
 
-    def _inputs(self, tokens):
-        """Row-local: the input embedding [T, hidden] and, with per-layer inputs, every layer's [T, L, P]."""
+    def _inputs(self, tokens, soft=None, is_media=None):
+        """Row-local: the input embedding [T, hidden] (media rows': their soft tokens) and, with per-layer
+        inputs, every layer's [T, L, P]: from the input embedding, and the token's own table (the pad
+        token's at a media row, as transformers reads them)."""
         cfg, dtype = self.config, self.precision.activation_dtype
         x = embed(tokens, self.embed.get_value(), dtype) * embedding_scale(cfg.hidden_size, dtype)
+        x = with_media(x, soft, is_media)
         if not cfg.per_layer_size:
             return x, None
+        if is_media is not None:
+            tokens = jnp.where(is_media, cfg.pad_id, tokens)
         shape = (tokens.shape[0], cfg.num_layers, cfg.per_layer_size)
         projected = linear(x, self.pl_model_proj.get_value()) * cfg.hidden_size**-0.5
         projected = _norm(projected.reshape(shape), self.pl_proj_norm, cfg)

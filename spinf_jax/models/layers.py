@@ -164,10 +164,14 @@ class RecurrentState:
     window: jax.Array
 
 
-def attention(q, k, v, batch: Batch, *, scale: float, window: int | None = None) -> jax.Array:
+def attention(
+    q, k, v, batch: Batch, *, scale: float, window: int | None = None, media_both_ways: bool = True
+) -> jax.Array:
     """q [T, H, D], k/v [T, K, D] → [T, H, D]. In a tree pass: the tree mask of `batch`, by the Pallas kernel
-    on GPUs and its pure-JAX twin (the same visiting order) elsewhere. In a decode step: the pass's keys in
-    `batch.cache`, then the step's history (Pallas on GPUs, pure JAX elsewhere)."""
+    on GPUs and its pure-JAX twin (the same visiting order) elsewhere; an image's rows see the whole image
+    where the model's layer does (media_both_ways: Gemma 3 every layer, Gemma 4 its sliding ones), else
+    only what precedes them. In a decode step: the pass's keys in `batch.cache`, then the step's history
+    (Pallas on GPUs, pure JAX elsewhere)."""
     b = batch
     with jax.named_scope("attention"):  # names the ops in device profiles (here and below)
         if isinstance(b, DecodeBatch):
@@ -179,7 +183,8 @@ def attention(q, k, v, batch: Batch, *, scale: float, window: int | None = None)
             )  # fmt: skip
         args = (q, k, v, b.positions, b.span_end, b.trunk_end, b.branch_start, b.tree_start_block)
         attend = kernel if jax.default_backend() == "gpu" else blockwise
-        return attend(*args, scale=scale, window=window, block=batch.block, reach=b.reach)
+        reach = b.reach if media_both_ways else None
+        return attend(*args, scale=scale, window=window, block=batch.block, reach=reach)
 
 
 def by_rows(fn, tile: int | None, *arrays):

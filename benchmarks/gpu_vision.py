@@ -1,0 +1,195 @@
+"""The vision towers at a real width on the GPU: our soft tokens against transformers' (fp32, eager), and the
+time one image takes. Gemma 3's SigLIP (So400m: 27 layers, hidden 1152, 896 px) and Gemma 4's tower (16
+layers, hidden 768, 16 px patches pooled 3×3, 280 soft tokens), each with transformers' own classes and a
+seeded random init scaled so that its outputs depend on the image (norms near one, matrices of std
+1/sqrt(fan_in)), handed to our loader tensor by tensor.
+
+    python3 benchmarks/gpu_vision.py --out $OUT
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+from PIL import Image
+from transformers import (
+    Gemma3Config,
+    Gemma3ImageProcessorPil,
+    Gemma3TextConfig,
+    Gemma4ImageProcessorPil,
+    Gemma4TextConfig,
+    Gemma4VisionConfig,
+    Gemma4VisionModel,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+)
+from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+
+from spinf_jax.checkpoint import _aliases
+from spinf_jax.loader import load_weights
+from spinf_jax.media import PatchedImages, SquareImages
+from spinf_jax.models import gemma4_vision, siglip
+from spinf_jax.quant import Precision
+
+MEDIA = Path(__file__).resolve().parent.parent / "fixtures" / "media"
+IMAGES = ["gradient.png", "stripes.png", "grey.png"]
+TEXT_HIDDEN = 2560  # Gemma 3 4B's and Gemma 4 E4B's text width
+
+
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        if "q_norm" in name or "k_norm" in name:  # Gemma 4 attends with scale 1: its q/k norms scale
+            value = p.shape[0] ** -0.25 * (1.0 + 0.1 * noise)
+        elif "norm" in name and name.endswith("weight") and p.ndim == 1:
+            value = 1.0 + 0.1 * noise
+        elif p.ndim == 1 or "position" in name:
+            value = 0.1 * noise
+        else:  # [out, in] (conv kernels: [out, in · kh · kw]); Gemma 3's projector is [in, out]
+            fan_in = p[0].numel() if "mm_input_projection" not in name else p.shape[0]
+            value = noise / fan_in**0.5
+        with torch.no_grad():
+            p.copy_(value)
+
+
+class Weights:
+    """transformers modules' tensors under the names our towers load (a checkpoint for load_weights)."""
+
+    def __init__(self, parts: dict[str, torch.nn.Module], config: dict):
+        self.config = config
+        self.state = {f"{prefix}{k}": v for prefix, m in parts.items() for k, v in m.state_dict().items()}
+
+    def get(self, name: str) -> np.ndarray:
+        stored = next(alias for alias in _aliases(name) if alias in self.state)
+        return self.state[stored].float().cpu().numpy()
+
+
+def gemma3(dev: str):
+    vision = SiglipVisionConfig(
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        image_size=896,
+        patch_size=14,
+        vision_use_head=False,
+    )
+    vision._attn_implementation = "eager"
+    full = Gemma3Config(text_config=Gemma3TextConfig(hidden_size=TEXT_HIDDEN), vision_config=vision)
+    config = {
+        "model_type": "gemma3",
+        "vision_config": vision.to_dict(),
+        "text_config": {"hidden_size": TEXT_HIDDEN},
+    }
+    tower = SiglipVisionModel(vision).eval()
+    projector = Gemma3MultiModalProjector(full).eval()
+    randomize(tower, 0)
+    randomize(projector, 1)
+    fmt = SquareImages(2, 1 / 255, 0, 0, 0, "\n\n", 896, 896)
+    processor = Gemma3ImageProcessorPil(size={"height": 896, "width": 896})
+
+    def reference(image):
+        pixels = processor([image], return_tensors="pt")["pixel_values"].to(dev)
+        with torch.no_grad():
+            return projector(tower.to(dev)(pixels).last_hidden_state)[0]
+
+    parts = {"vision_tower.": tower, "multi_modal_projector.": projector}  # as the released files
+    return config, parts, fmt, siglip, reference
+
+
+def gemma4(dev: str):
+    vision = Gemma4VisionConfig(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
+        num_key_value_heads=12, head_dim=64, patch_size=16, pooling_kernel_size=3, standardize=True,
+    )  # fmt: skip
+    vision._attn_implementation = "eager"
+    text = Gemma4TextConfig(hidden_size=TEXT_HIDDEN)
+    config = {"model_type": "gemma4", "vision_config": vision.to_dict(), "text_config": text.to_dict()}
+    tower, embed = Gemma4VisionModel(vision).eval(), Gemma4MultimodalEmbedder(vision, text).eval()
+    randomize(tower, 0)
+    randomize(embed, 1)
+    with torch.no_grad():
+        tower.std_bias.normal_(0, 1, generator=torch.Generator().manual_seed(2))
+        tower.std_scale.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(3))
+    fmt = PatchedImages(3, 1 / 255, 0, 0, 0, "", 16, 3, 280)
+    processor = Gemma4ImageProcessorPil(max_soft_tokens=280)
+
+    def reference(image):
+        inputs = processor([image], return_tensors="pt")
+        with torch.no_grad():
+            out = tower.to(dev)(inputs["pixel_values"].to(dev), inputs["image_position_ids"].to(dev))
+            return embed.to(dev)(out.last_hidden_state)
+
+    parts = {"model.vision_tower.": tower, "model.embed_vision.": embed}
+    return config, parts, fmt, gemma4_vision, reference
+
+
+def measure(name: str, build, dev: str) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    config, parts, fmt, family, reference = build(dev)
+    weights = Weights(parts, config)
+    result = {"tower": name}
+    for precision in ("fp32", "bf16"):
+        cfg = family.Config.from_hf(config)
+        ours = nnx.eval_shape(lambda cfg=cfg, p=precision: family.VisionTower(cfg, Precision(p)))
+        load_weights(ours, weights)
+        run = jax.jit(lambda g, w, *x: nnx.merge(g, w)(*x), static_argnums=0)
+        graph, state = nnx.split(ours)
+        state = nnx.to_pure_dict(state)
+        gaps, scale = [], 0.0
+        for image_name in IMAGES:
+            image = Image.open(MEDIA / image_name)
+            inputs = [jnp.asarray(x) for x in fmt.tower_inputs(image, image_name)]
+            n = fmt.soft_count(image.size, image_name)
+            want = reference(image).float().cpu().numpy()
+            got = np.asarray(run(graph, state, *inputs)[:n], np.float32)
+            assert got.shape == want.shape, (got.shape, want.shape)
+            gaps.append(float(np.abs(got - want).max()))
+            scale = max(scale, float(np.abs(want).max()))
+        jax.block_until_ready(run(graph, state, *inputs))
+        start = time.perf_counter()
+        for _ in range(20):
+            out = run(graph, state, *inputs)
+        jax.block_until_ready(out)
+        ms = (time.perf_counter() - start) / 20 * 1e3
+        result[precision] = {"max_abs_diff": max(gaps), "max_abs_value": scale, "ms_per_image": ms}
+        print(f"{name} {precision}: max |Δ| {max(gaps):.3g} (values up to {scale:.3g}), {ms:.2f} ms/image")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    results = {"device": str(jax.devices()[0]), "torch_device": dev, "jax": jax.__version__}
+    results["towers"] = [measure("gemma3-siglip-so400m", gemma3, dev), measure("gemma4", gemma4, dev)]
+    (Path(args.out) / "gpu_vision.json").write_text(json.dumps(results, indent=1) + "\n")
+    print("| tower | precision | max abs diff vs transformers fp32 | largest value | ms per image |")
+    print("|---|---|---|---|---|")
+    for r in results["towers"]:
+        for p in ("fp32", "bf16"):
+            m = r[p]
+            cells = [
+                r["tower"],
+                p,
+                f"{m['max_abs_diff']:.3g}",
+                f"{m['max_abs_value']:.3g}",
+                f"{m['ms_per_image']:.2f}",
+            ]
+            print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -329,6 +329,9 @@ class TokenDetails(Struct, kw_only=True):
     image_tokens: Annotated[
         int, Meta(description="of content_tokens, the images' soft tokens (models that read images)")
     ] = 0
+    audio_tokens: Annotated[
+        int, Meta(description="of content_tokens, the audio clips' soft tokens (models that hear audio)")
+    ] = 0
 
 
 class Usage(Struct, kw_only=True):

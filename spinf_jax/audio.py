@@ -13,6 +13,7 @@ A clip is resampled to the extractor's rate (16 kHz) when its file says another 
 
 import functools
 import io
+import json
 import math
 import wave
 from dataclasses import dataclass
@@ -271,3 +272,36 @@ def read(data: bytes, fmt: str, param: str, cfg: FeatureConfig) -> np.ndarray:
     """A clip's bytes → its samples [n] float32 mono at the feature extractor's rate."""
     samples, rate = decode(data, fmt, param)
     return resample(samples, rate, cfg.sampling_rate)
+
+
+@dataclass(frozen=True)
+class AudioFormat:
+    """How a model reads audio: its feature extractor (the checkpoint's preprocessor_config.json) and the
+    tokens a clip stands as in the content (Gemma 4's processor writes "<|audio>", one audio token per soft
+    token, "<audio|>", with nothing around them)."""
+
+    features: FeatureConfig
+    start_id: int
+    end_id: int
+    audio_id: int
+    formats: tuple[str, ...] = ("wav", "mp3")  # input_audio.format values we decode
+
+    @property
+    def max_seconds(self) -> float:
+        """The longest clip the model reads (the extractor keeps 30 s and drops the rest: we refuse it)."""
+        return self.features.max_samples / self.features.sampling_rate
+
+    @staticmethod
+    def from_checkpoint(config: dict, folder) -> "AudioFormat | None":
+        """The format of a checkpoint with an audio tower (config.json's audio_config; its folder's
+        preprocessor_config.json); None for a model that reads no audio."""
+        if config.get("audio_config") is None:
+            return None
+        pre = folder / "preprocessor_config.json" if folder is not None else None
+        p = json.loads(pre.read_text()) if pre is not None and pre.is_file() else {}
+        return AudioFormat(
+            features=FeatureConfig.from_preprocessor(p),
+            start_id=config.get("boa_token_id", 256_000),
+            end_id=config.get("eoa_token_index", config.get("eoa_token_id", 258_883)),
+            audio_id=config.get("audio_token_id", 258_881),
+        )

@@ -9,6 +9,8 @@ engine reads. Knows nothing of the model beyond its tokenizer and, for models th
 stands in the content (spinf_jax.media.ImageFormat).
 """
 
+import base64
+import binascii
 import dataclasses
 import itertools
 import math
@@ -19,8 +21,11 @@ from enum import StrEnum
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from spinf_jax import api, media, orderings
+import numpy as np
+
+from spinf_jax import api, audio, media, orderings
 from spinf_jax.answers import vocabulary
+from spinf_jax.audio import AudioFormat
 from spinf_jax.calibration import Calibration
 from spinf_jax.errors import ScoringError
 from spinf_jax.layout import (
@@ -68,14 +73,20 @@ class Limits:
     # reaches any address a request names. Each file within max_image_bytes and this many seconds.
     allow_remote_media: bool = False
     remote_media_timeout_s: float = 10.0
+    # For models that hear audio (Gemma 4 E2B/E4B). A clip is at most 30 s (what the model reads of one); a
+    # content's clips together at most this long (25 soft tokens a second), each file at most this large.
+    max_audio_seconds_per_content: float = 120.0
+    max_audio_bytes: int = 1_500_000
 
-    def reported(self, reads_images: bool) -> dict[str, int]:
-        """The limits a server reports (/health): those on images only for a model that reads them."""
-        limits = dataclasses.asdict(self)
-        return limits if reads_images else {k: v for k, v in limits.items() if k not in IMAGE_LIMITS}
+    def reported(self, reads_images: bool, reads_audio: bool = False) -> dict[str, int | float | bool]:
+        """The limits a server reports (/health): those on images and audio only for a model that reads
+        them."""
+        skip = (() if reads_images else IMAGE_LIMITS) + (() if reads_audio else AUDIO_LIMITS)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
 IMAGE_LIMITS = ("max_images_per_content", "max_image_bytes", "allow_remote_media", "remote_media_timeout_s")
+AUDIO_LIMITS = ("max_audio_seconds_per_content", "max_audio_bytes")
 
 
 @dataclass(frozen=True)
@@ -142,8 +153,52 @@ class ContentImage:
             raise ScoringError(e.code, str(e), where) from None
 
 
-# Images in a content: (the row of the image's first soft token among the content's tokens, the image).
-Images = tuple[tuple[int, ContentImage], ...]
+@dataclass(frozen=True)
+class ContentAudio:
+    """An audio part of a content: its file and format, its samples at the model's rate (decoded when the
+    request is compiled: their count is the clip's soft-token count), and its field."""
+
+    data: bytes
+    format: str  # input_audio.format: "wav" | "mp3"
+    param: str
+    features: audio.FeatureConfig
+
+    @cached_property
+    def digest(self) -> str:
+        return "audio:" + media.digest(self.data)
+
+    @cached_property
+    def samples(self) -> np.ndarray:
+        where = self.param + ".input_audio.data"
+        try:
+            return audio.read(self.data, self.format, where, self.features)
+        except media.MediaError as e:
+            raise ScoringError(e.code, str(e), where) from None
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / self.features.sampling_rate
+
+    def soft_count(self, fmt: AudioFormat) -> int:
+        return audio.soft_token_count(len(self.samples), fmt.features)
+
+
+@dataclass(frozen=True)
+class MediaFormats:
+    """How the model reads media parts: images (spinf_jax.media.ImageFormat) and audio clips
+    (spinf_jax.audio.AudioFormat); None where it does not."""
+
+    image: ImageFormat | None = None
+    audio: AudioFormat | None = None
+
+    @property
+    def gap(self) -> str:
+        """Text around an image (the image format's; none for audio)."""
+        return self.image.gap if self.image is not None else ""
+
+
+# Media in a content: (the row of the part's first soft token among the content's tokens, the part).
+Images = tuple[tuple[int, "ContentImage | ContentAudio"], ...]
 
 
 @dataclass(frozen=True)
@@ -187,42 +242,69 @@ IMAGE_MARK = "\ufffc"
 def render_content(
     messages: list[api.Message],
     param: str,
-    images: list[ContentImage] | None = None,
+    found: list | None = None,
     limits: Limits | None = None,
+    formats: MediaFormats = MediaFormats(),
 ) -> str:
     """The content's text: every message's text, joined with "\\n". Roles are ignored; no chat template.
-    An image part becomes IMAGE_MARK, its file appended to `images` (None: the model reads text only);
-    `limits` say whether https:// images are fetched."""
+    A media part the model reads (`formats`) becomes IMAGE_MARK, the part (ContentImage, ContentAudio)
+    appended to `found`; `limits` say whether https:// images are fetched."""
     limits = limits or Limits()
-    return "\n".join(_message_text(m, f"{param}[{i}]", images, limits) for i, m in enumerate(messages))
+    return "\n".join(
+        _message_text(m, f"{param}[{i}]", found, limits, formats) for i, m in enumerate(messages)
+    )
 
 
-def _message_text(message: api.Message, param: str, images: list[ContentImage] | None, limits: Limits) -> str:
+def _message_text(message: api.Message, param: str, found, limits: Limits, formats: MediaFormats) -> str:
     if isinstance(message.content, str):
         return message.content
     parts = enumerate(message.content)
-    return "\n".join(_part_text(part, f"{param}.content[{k}]", images, limits) for k, part in parts)
+    return "\n".join(_part_text(part, f"{param}.content[{k}]", found, limits, formats) for k, part in parts)
 
 
-def _part_text(part: api.ContentPart, param: str, images: list[ContentImage] | None, limits: Limits) -> str:
+def _part_text(part: api.ContentPart, param: str, found, limits: Limits, formats: MediaFormats) -> str:
     if isinstance(part, api.TextPart):
         return part.text
-    if isinstance(part, api.ImagePart) and images is not None:
+    if isinstance(part, api.AudioPart) and formats.audio is not None:
+        found.append(_audio_part(part, param, formats.audio))
+        return IMAGE_MARK
+    if isinstance(part, api.ImagePart) and formats.image is not None:
         url = (part.image_url or {}).get("url")
         where = param + ".image_url.url"
         if not isinstance(url, str):
             raise _invalid(where, "an image part needs image_url.url: a data:image/... URL")
         try:
-            images.append(ContentImage(_image_bytes(url, where, limits), param))
+            found.append(ContentImage(_image_bytes(url, where, limits), param))
         except media.MediaError as e:
             raise ScoringError(e.code, str(e), where) from None
         return IMAGE_MARK
-    reads = "text and images" if images is not None else "text only"
+    kinds = ["text"] + ["images"] * (formats.image is not None) + ["audio"] * (formats.audio is not None)
+    reads = " and ".join(kinds) if len(kinds) > 1 else "text only"
     raise ScoringError(
         "unsupported_content",
         f"content parts of type {part.__struct_config__.tag!r} are not supported: this model reads {reads}",
         param,
     )
+
+
+def _audio_part(part: api.AudioPart, param: str, fmt: AudioFormat) -> ContentAudio:
+    """An input_audio part: {"data": base64, "format": "wav" | "mp3"} (OpenAI's form)."""
+    given = part.input_audio or {}
+    data, kind = given.get("data"), given.get("format")
+    if not isinstance(data, str) or not data:
+        raise _invalid(param + ".input_audio.data", "an audio part needs input_audio.data: a file in base64")
+    if kind not in fmt.formats:
+        raise ScoringError(
+            "unsupported_media",
+            f"input_audio.format {kind!r}: one of {', '.join(map(repr, fmt.formats))}",
+            param + ".input_audio.format",
+        )
+    try:
+        return ContentAudio(base64.b64decode(data, validate=True), kind, param, fmt.features)
+    except (binascii.Error, ValueError) as e:
+        raise ScoringError(
+            "invalid_media", f"input_audio.data is not valid base64 ({e})", param + ".input_audio.data"
+        ) from None
 
 
 def _image_bytes(url: str, param: str, limits: Limits) -> bytes:
@@ -250,23 +332,27 @@ def _image_pieces(text: str, images: tuple[ContentImage, ...], param: str) -> li
 
 def _content_ids(
     text: str,
-    images: tuple[ContentImage, ...],
+    images: tuple,
     ids: Mapping[str, tuple[int, ...]],
-    fmt: ImageFormat | None,
+    formats: MediaFormats,
     param: str,
 ) -> tuple[tuple[int, ...], Images]:
-    """The tokens of a content's text with each image's where it stands: the format's gap text, the image's
-    start token, its soft tokens, its end token, the gap text (as the model's processor expands an image),
-    each piece of text tokenised on its own."""
+    """The tokens of a content's text with each media part's where it stands, as the model's processor
+    expands it: an image as the image format's gap text, its start token, its soft tokens, its end token,
+    the gap text; an audio clip as its start token, its soft tokens, its end token. Each piece of text is
+    tokenised on its own."""
     if not images:
         return ids[text], ()
     out, placed = [], []
     pieces = _image_pieces(text, images, param)
-    gap = ids[fmt.gap] if fmt.gap else ()
-    for piece, image in zip(pieces, images, strict=False):
-        out += [*ids[piece], *gap, fmt.start_id]
-        placed.append((len(out), image))
-        out += [fmt.image_id] * image.soft_count(fmt) + [fmt.end_id, *gap]
+    gap = ids[formats.gap] if formats.gap else ()
+    for piece, part in zip(pieces, images, strict=False):
+        fmt = formats.audio if isinstance(part, ContentAudio) else formats.image
+        around = () if isinstance(part, ContentAudio) else gap
+        soft_id = fmt.audio_id if isinstance(part, ContentAudio) else fmt.image_id
+        out += [*ids[piece], *around, fmt.start_id]
+        placed.append((len(out), part))
+        out += [soft_id] * part.soft_count(fmt) + [fmt.end_id, *around]
     out += ids[pieces[-1]]
     return tuple(out), tuple(placed)
 
@@ -551,27 +637,42 @@ class _Input:
     text: str
     param: str  # its messages field
     specs: list[_Spec]
-    images: tuple[ContentImage, ...] = ()  # in the order of IMAGE_MARKs in text
+    images: tuple = ()  # its media parts (ContentImage, ContentAudio), in the order of IMAGE_MARKs in text
 
 
-def _render(messages: list[api.Message], param: str, limits: Limits, reads_images: bool):
-    """A content's text and its images (rendered_content), within the limits on images."""
-    images = [] if reads_images else None
-    text = render_content(messages, param, images, limits)
-    for image in images or ():
-        if len(image.data) > limits.max_image_bytes:
-            raise ScoringError(
-                "invalid_media",
-                f"an image of {len(image.data):,} bytes; at most {limits.max_image_bytes:,}",
-                image.param,
-            )
-    if images and len(images) > limits.max_images_per_content:
+def _render(messages: list[api.Message], param: str, limits: Limits, formats: MediaFormats):
+    """A content's text and its media parts (render_content), within the limits on images and audio."""
+    found = []
+    text = render_content(messages, param, found, limits, formats)
+    images = [p for p in found if isinstance(p, ContentImage)]
+    clips = [p for p in found if isinstance(p, ContentAudio)]
+    sized = [("an image", p, limits.max_image_bytes) for p in images]
+    for kind, part, most in sized + [("an audio clip", p, limits.max_audio_bytes) for p in clips]:
+        if len(part.data) > most:
+            message = f"{kind} of {len(part.data):,} bytes; at most {most:,}"
+            raise ScoringError("invalid_media", message, part.param)
+    if len(images) > limits.max_images_per_content:
         raise ScoringError(
             "too_many_images",
             f"{len(images)} images in one content; at most {limits.max_images_per_content}",
             param,
         )
-    return text, tuple(images or ())
+    for clip in clips:
+        if clip.seconds > formats.audio.max_seconds:
+            raise ScoringError(
+                "invalid_media",
+                f"a clip of {clip.seconds:.1f} s; the model reads at most {formats.audio.max_seconds:g} s of "
+                "one clip: send longer audio as several clips",
+                clip.param + ".input_audio.data",
+            )
+    seconds = sum(clip.seconds for clip in clips)
+    if seconds > limits.max_audio_seconds_per_content:
+        raise ScoringError(
+            "too_much_audio",
+            f"{seconds:.1f} s of audio in one content; at most {limits.max_audio_seconds_per_content:g} s",
+            param,
+        )
+    return text, tuple(found)
 
 
 def _parse_inputs(
@@ -580,7 +681,7 @@ def _parse_inputs(
     has_packs: bool,
     limits: Limits,
     pack_questions: int = 0,
-    reads_images: bool = False,
+    formats: MediaFormats = MediaFormats(),
 ) -> list[_Input]:
     if request.messages is None and request.inputs is None:
         raise _invalid("messages", "give messages (one content) or inputs (several contents)")
@@ -589,7 +690,7 @@ def _parse_inputs(
     if request.messages is not None:
         if not shared and not has_packs:
             raise _invalid("scoring.queries", "scoring.queries must not be empty")
-        text, images = _render(request.messages, "messages", limits, reads_images)
+        text, images = _render(request.messages, "messages", limits, formats)
         inputs = [_Input("0", text, "messages", shared, images)]
         _check_questions(inputs[0], "scoring.queries", limits, pack_questions)
         return inputs
@@ -605,7 +706,7 @@ def _parse_inputs(
         if input_id in input_ids:
             raise _invalid(param + ".id", f"input ids must be unique; {input_id!r} is used twice")
         input_ids.add(input_id)
-        text, images = _render(item.messages, param + ".messages", limits, reads_images)
+        text, images = _render(item.messages, param + ".messages", limits, formats)
         chosen = shared if item.query_ids is None else _choose(item.query_ids, by_id, param + ".query_ids")
         own = (
             []
@@ -810,20 +911,19 @@ def compile_request(
     limits: Limits = Limits(),
     packs: Mapping[str, "CompiledPack"] | None = None,
     calibration: Calibration | None = None,
-    image_format: ImageFormat | None = None,
+    formats: MediaFormats = MediaFormats(),
 ) -> CompiledRequest:
     """Check a decoded scoring request (spinf_jax.decoding) against SPEC section 1 and tokenise it, with the
     prompt packs it names among `packs` (spinf_jax.packs.compiled) and the workloads its queries name among
-    `calibration`'s, images read as `image_format` says (None: the model reads text only); raises
+    `calibration`'s, media parts read as `formats` says (by default the model reads text only); raises
     ScoringError."""
     asks = _resolve_packs(request.packs or [], packs or {})
-    fmt = image_format
     if request.scoring is None and not asks:
         raise _invalid("scoring", 'a scoring block is required: {"queries": [...]}')
     scoring = request.scoring or api.Scoring()
     shared = _parse_queries(scoring.queries or [], "scoring.queries", limits, set())
     pack_questions = sum(len(q.questions) for _, _, queries, _ in asks for q in queries)
-    inputs = _parse_inputs(request, shared, bool(asks), limits, pack_questions, fmt is not None)
+    inputs = _parse_inputs(request, shared, bool(asks), limits, pack_questions, formats)
 
     # A scoring query that no input asks for is checked for structure but never tokenised.
     used = list({id(spec): spec for item in inputs for spec in item.specs}.values())
@@ -835,12 +935,12 @@ def compile_request(
         piece
         for item, strings in texts.items()
         for text in strings
-        for piece in (_image_pieces(text, item.images, item.param) + [fmt.gap] if item.images else [text])
+        for piece in (_image_pieces(text, item.images, item.param) + [formats.gap] if item.images else [text])
     ]
     ids = _tokenize(tokenizer, pieces, used)
 
     def content(item: _Input, text: str) -> tuple[tuple[int, ...], Images]:
-        return _content_ids(text, item.images, ids, fmt, item.param)
+        return _content_ids(text, item.images, ids, formats, item.param)
 
     read = {item: content(item, item.text) for item in inputs}
     for item in inputs:

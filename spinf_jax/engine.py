@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spinf_jax import media
+from spinf_jax import audio, media
 from spinf_jax.answers import Vocabulary, vocabulary
 from spinf_jax.decisions import Decider
 from spinf_jax.extraction import CANDIDATES, Decoded, SlotSearch, path_columns
@@ -38,6 +38,7 @@ from spinf_jax.layout import (
     build_tree,
 )
 from spinf_jax.loader import DEFAULT_MODEL, Model, load_model
+from spinf_jax.models import gemma4_audio
 from spinf_jax.models.decoder import split
 from spinf_jax.models.layers import DecodeBatch, RecurrentState, TreeBatch, by_rows
 from spinf_jax.models.params import nbytes
@@ -50,7 +51,8 @@ ENGINE_VERSION = "6"  # bump whenever the engine's arithmetic changes (it is par
 # Passes launched and not yet read back, at most (Engine.launch): the device runs one while the host launches
 # the next; each holds its outputs and temporaries on the device, so more would only take memory.
 IN_FLIGHT = 2
-# Images whose soft tokens the engine keeps (Engine.image_tokens): 2 MiB each at Gemma 3 12B's width in bf16.
+# Images and audio clips whose soft tokens the engine keeps (Engine.image_tokens, audio_tokens): 2 MiB an
+# image at Gemma 3 12B's width in bf16.
 IMAGE_CACHE = 256
 KINDS = {"text": 0, "number": 1, "amount": 2}  # rows of the masks table; ENDS is its last row
 ENDS = 3
@@ -377,6 +379,21 @@ class Engine:
                 return self._images[digest]
         fmt, image = self.model.image_format, media.open_image(data, param)
         soft = self.model.soft_tokens(*fmt.tower_inputs(image, param))[: fmt.soft_count(image.size, param)]
+        return self._keep(digest, soft)
+
+    def audio_tokens(self, digest: str, samples: np.ndarray) -> jax.Array:
+        """A clip's soft tokens [n, hidden] on the device (n: audio.soft_token_count) from its samples at the
+        feature extractor's rate (`digest`: what identifies the clip, its file's): its features and the tower
+        once per clip while it stays among the IMAGE_CACHE most recent media."""
+        with self._images_lock:
+            if digest in self._images:
+                self._images.move_to_end(digest)
+                return self._images[digest]
+        cfg = self.model.audio_format.features
+        soft = self.model.audio_soft_tokens(*gemma4_audio.pad_frames(*audio.features(samples, cfg)))
+        return self._keep(digest, soft[: audio.soft_token_count(len(samples), cfg)])
+
+    def _keep(self, digest: str, soft: jax.Array) -> jax.Array:
         with self._images_lock:
             self._images[digest] = soft
             while len(self._images) > IMAGE_CACHE:

@@ -93,8 +93,9 @@ class Tree:
     # is an extraction slot).
     branches: list[tuple[int, int, int, tuple, bool]] = field(default_factory=list)
     slots: list[SlotRow] = field(default_factory=list)
-    # Images in the trunk: (the row of its first soft token, its soft tokens [n, hidden] on the device).
-    images: list[tuple[int, object]] = field(default_factory=list, compare=False)
+    # Media in the trunk: (the row of its first soft token, its soft tokens [n, hidden] on the device[,
+    # "audio" for an audio clip]) per image or clip (TreeBatch.with_images).
+    images: list[tuple] = field(default_factory=list, compare=False)
     _chunks: list | None = field(default=None, repr=False, compare=False)  # recurrent_chunks, once worked out
     _reads: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # row → read index
     _target_index: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
@@ -165,7 +166,7 @@ def build_tree(
     """The tree of one content (or, with empty content, of the floor) with its questions, in order; `images`:
     the content's, as (the row of an image's first soft token among content_ids, its soft tokens)."""
     tree = Tree.trunk([*prefix, *content_ids])
-    tree.images = [(len(prefix) + row, soft) for row, soft in images]
+    tree.images = [(len(prefix) + row, *rest) for row, *rest in images]
     for q in questions:
         start = len(tree.tokens)
         depth = tree.trunk_tokens + len(q.template_ids)

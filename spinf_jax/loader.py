@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spinf_jax.audio import AudioFormat
 from spinf_jax.checkpoint import GGUFFile, SafetensorsFolder
 from spinf_jax.media import ImageFormat
-from spinf_jax.models import abstract_decoder, abstract_tower
+from spinf_jax.models import abstract_audio_tower, abstract_decoder, abstract_tower
 from spinf_jax.models.decoder import Decoder, hidden_states, split
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.models.params import Kind, params, per_source, stacked_shape, stored_as
@@ -241,6 +242,8 @@ class Model:
     load_seconds: float = 0.0
     vision: nnx.Module | None = None  # the images' tower (models.abstract_tower), for models that read them
     image_format: ImageFormat | None = None  # how they are preprocessed and stand in the content
+    audio: nnx.Module | None = None  # the audio tower (models.abstract_audio_tower), for models that hear
+    audio_format: AudioFormat | None = None
     # Row-local work in tiles of this many rows (see models.layers.by_rows); None runs each pass's rows at
     # once, which is row-invariant on no backend we measured (docs/batch-invariance.md).
     row_tile: int | None = field(default_factory=default_row_tile)
@@ -274,6 +277,17 @@ class Model:
         if jitted is None:
             jitted = self._jitted["vision"] = jax.jit(lambda g, w, *x: nnx.merge(g, w)(*x), static_argnums=0)
         return jitted(*split(self.vision), *map(jnp.asarray, inputs))
+
+    def audio_soft_tokens(self, features, mask) -> jax.Array:
+        """A clip's soft tokens [rows, hidden] from its features and their mask, padded to the tower's one
+        shape (models.gemma4_audio.pad_frames); the clip's are the first audio.soft_token_count rows."""
+        if self.audio is None:
+            raise ValueError(f"{self.name} reads no audio")
+        jitted = self._jitted.get("audio")
+        if jitted is None:
+            tower = jax.jit(lambda g, w, *x: nnx.merge(g, w)(*x)[0], static_argnums=0)  # its soft tokens
+            jitted = self._jitted["audio"] = tower
+        return jitted(*split(self.audio), jnp.asarray(features), jnp.asarray(mask))
 
     def hidden(self, batch: TreeBatch) -> jax.Array:
         """[T, hidden] final hidden states of a packed pass."""
@@ -318,10 +332,17 @@ def load_model(
     if vision is not None:
         load_weights(vision, checkpoint, progress)
     image_format = ImageFormat.from_checkpoint(checkpoint.config, path) if vision is not None else None
+    audio_format = AudioFormat.from_checkpoint(checkpoint.config, path if path.is_dir() else None)
+    mel_bins = audio_format.features.feature_size if audio_format is not None else 0
+    audio = abstract_audio_tower(checkpoint.config, precision, mel_bins)
+    if audio is not None:
+        load_weights(audio, checkpoint, progress)
     tokenizer = _tokenizer(checkpoint)
     digest = checkpoint_digest(path)
     seconds = time.perf_counter() - start
-    return Model(spec, decoder, tokenizer, digest, seconds, vision=vision, image_format=image_format)
+    audio_format = audio_format if audio is not None else None  # e.g. Gemma 3n's: a tower we do not build
+    media = dict(vision=vision, image_format=image_format, audio=audio, audio_format=audio_format)
+    return Model(spec, decoder, tokenizer, digest, seconds, **media)
 
 
 def random_model(

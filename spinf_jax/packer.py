@@ -146,7 +146,7 @@ class Pass:
     target_offset: list[int]  # per tree: where its targets start in target_read / target_token
     read_offset: list[int]  # per tree: where its reads start in read_rows
     row_offset: list[int]  # per tree: its first row
-    images: list[tuple[int, object]] = field(default_factory=list)  # (first row, soft tokens), Tree.images
+    images: list[tuple] = field(default_factory=list)  # (first row, soft tokens, ...), Tree.images
 
 
 def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int, int, int]:
@@ -299,7 +299,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
         target_offset.append(n_targets)
         read_offset.append(n_reads)
         row_offset.append(offset)
-        images += [(offset + row, soft) for row, soft in tree.images]
+        images += [(offset + row, *rest) for row, *rest in tree.images]
         offset += buckets.aligned(n)
         n_reads += len(tree.read_rows)
         n_targets += len(tree.targets)

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from spinf_jax import media
+from spinf_jax import audio, media
 from spinf_jax.engine import Engine
 from spinf_jax.layout import Extract, QuestionKey, build_tree
 from spinf_jax.loader import Model, load_model
@@ -93,18 +93,25 @@ def score_reference(engine: Engine, prompts: list[dict]) -> tuple[np.ndarray, np
 
 
 def _images(engine: Engine, prompt: dict) -> tuple:
-    """A recorded prompt's images (files in fixtures/media, named in order) as read_tree takes them: each at
-    the row after its start token."""
-    names = prompt.get("images", [])
-    if not names:
+    """A recorded prompt's media (files in fixtures/media, named in order: its "images", or its "audio"
+    clips) as read_tree takes them: each at the row after its start token."""
+    model = engine.model
+    if prompt.get("images"):
+        names, start = prompt["images"], model.image_format.start_id
+    elif prompt.get("audio"):
+        names, start = prompt["audio"], model.audio_format.start_id
+    else:
         return ()
-    fmt = engine.model.image_format
-    rows = [i + 1 for i, token in enumerate(prompt["token_ids"]) if token == fmt.start_id]
-    files = [(MEDIA / name).read_bytes() for name in names]
-    return tuple(
-        (row, engine.image_tokens(media.digest(data), data, name))
-        for row, name, data in zip(rows, names, files, strict=True)
-    )
+    rows = [i + 1 for i, token in enumerate(prompt["token_ids"]) if token == start]
+    media_entries = []
+    for row, name in zip(rows, names, strict=True):
+        data = (MEDIA / name).read_bytes()
+        if prompt.get("images"):
+            media_entries.append((row, engine.image_tokens(media.digest(data), data, name)))
+        else:
+            samples = audio.read(data, Path(name).suffix[1:], name, model.audio_format.features)
+            media_entries.append((row, engine.audio_tokens(media.digest(data), samples), "audio"))
+    return tuple(media_entries)
 
 
 def reference_buckets(row_tile: int | None = None) -> Buckets:

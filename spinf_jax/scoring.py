@@ -21,7 +21,17 @@ import numpy as np
 from spinf_jax import api, media, orderings
 from spinf_jax.answers import parse_amount, parse_number
 from spinf_jax.calibration import Calibration, Workload, apply_temperature
-from spinf_jax.compiler import CompiledRequest, Images, Limits, PackAsk, Query, Question, compile_request
+from spinf_jax.compiler import (
+    CompiledRequest,
+    ContentAudio,
+    Images,
+    Limits,
+    MediaFormats,
+    PackAsk,
+    Query,
+    Question,
+    compile_request,
+)
 from spinf_jax.decoding import convert
 from spinf_jax.errors import ScoringError
 from spinf_jax.extraction import Decoded
@@ -30,8 +40,6 @@ from spinf_jax.packer import content_trees
 from spinf_jax.packs import rules
 
 if TYPE_CHECKING:
-    import jax
-
     from spinf_jax.engine import Engine, Scored
     from spinf_jax.packs.compiled import CompiledPack
 
@@ -91,15 +99,16 @@ class Scorer:
             raise ValueError("scoring text needs a model with a tokenizer (score_trees works on token ids)")
         if not isinstance(body, api.ScoreRequest):
             body = convert(body, api.ScoreRequest)
-        fmt = self.engine.model.image_format
-        request = compile_request(body, tokenizer, self.limits, self.packs, self.calibration, fmt)
+        model = self.engine.model
+        formats = MediaFormats(model.image_format, model.audio_format)
+        request = compile_request(body, tokenizer, self.limits, self.packs, self.calibration, formats)
         budget = _TokenBudget(self.limits.max_request_tokens)
         prefix = tokenizer.prefix()
         trees, owners, wanted = [], [], {}
 
         def read(content_ids, queries, param, images: Images = ()) -> list[Tree]:
             keys = [q.key for query in queries for q in query.questions]
-            soft = tuple((row, self._image_tokens(image)) for row, image in images)
+            soft = tuple((row, *self._soft_tokens(part)) for row, part in images)
             try:
                 chunks = content_trees(prefix, list(content_ids), keys, self.engine.buckets, soft)
             except ValueError as e:
@@ -127,11 +136,14 @@ class Scorer:
             pack_floors += [pack_id] * len(chunks)
         return Plan(request, trees, owners, missing, floors, pack_floors)
 
-    def _image_tokens(self, image) -> "jax.Array":
+    def _soft_tokens(self, part) -> tuple:
+        """A media part's soft tokens, as a tree's media entry after its row (TreeBatch.with_images)."""
+        if isinstance(part, ContentAudio):
+            return self.engine.audio_tokens(part.digest, part.samples), "audio"
         try:
-            return self.engine.image_tokens(image.digest, image.data, image.param)
+            return (self.engine.image_tokens(part.digest, part.data, part.param),)
         except media.MediaError as e:
-            raise ScoringError(e.code, str(e), image.param + ".image_url.url") from None
+            raise ScoringError(e.code, str(e), part.param + ".image_url.url") from None
 
     def finish(self, plan: Plan, scored: list["Scored"]) -> api.ScoreResponse:
         """The response of a plan whose trees were scored (in the plan's order)."""
@@ -149,7 +161,8 @@ class Scorer:
             query_tokens=sum(len(t) - t.trunk_tokens for t in by_content),
             floor_tokens=sum(len(t) for t in plan.trees[n:]),
             decode_tokens=sum(result.decode_tokens for result in scored),
-            image_tokens=sum(soft.shape[0] for t in by_content for _, soft in t.images),
+            image_tokens=sum(m[1].shape[0] for t in by_content for m in t.images if m[2:] != ("audio",)),
+            audio_tokens=sum(m[1].shape[0] for t in by_content for m in t.images if m[2:] == ("audio",)),
         )
         per_read: list[list[list]] = [[[] for _ in c.reads()] for c in plan.request.contents]
         for (c, part), result in zip(plan.owners, scored[:n], strict=True):

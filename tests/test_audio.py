@@ -2,6 +2,7 @@
 transformers (fixtures/references/media/tiny-gemma4-audio.audio.json.gz, recorded by fixtures/record_audio.py
 from the tiny Gemma 4 with an audio tower in fixtures/tiny/gemma4-audio and the clips in fixtures/media)."""
 
+import base64
 import functools
 import gzip
 import io
@@ -9,16 +10,22 @@ import json
 import wave
 from pathlib import Path
 
+import httpx
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from spinf_jax import audio
+from spinf_jax.compiler import Limits
+from spinf_jax.errors import ScoringError
 from spinf_jax.loader import load_weights, open_checkpoint
 from spinf_jax.media import MediaError
 from spinf_jax.models import gemma4_audio
 from spinf_jax.quant import Precision
+from spinf_jax.scoring import Scorer
+from tests import engines
+from tests.serving import serving
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MEDIA = FIXTURES / "media"
@@ -255,3 +262,147 @@ def test_read_resamples_the_8k_clip():
     recorded_8k = np.asarray(clip("noise-8k.wav")["samples"], np.float32)
     assert samples.size == 2 * recorded_8k.size
     np.testing.assert_allclose(samples[100:-100:2], recorded_8k[50:-50], atol=1e-6)  # the original samples
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Through the scorer and the server (the manifest's tiny-gemma4-audio entry checks parity through the engine)
+# ---------------------------------------------------------------------------------------------------------
+
+QUERY = {"id": "heard", "template": "\nQ: speech or noise?\nA:{?}", "options": [" speech", " noise"]}
+
+
+def audio_part(name: str, kind: str | None = None) -> dict:
+    data = base64.b64encode((MEDIA / name).read_bytes()).decode()
+    return {"type": "input_audio", "input_audio": {"data": data, "format": kind or name.rsplit(".", 1)[1]}}
+
+
+def audio_input(input_id: str, text: str, *parts: dict) -> dict:
+    return {
+        "id": input_id,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": text}, *parts]}],
+    }
+
+
+def _logprobs(response: dict, input_id: str) -> list[float]:
+    [result] = [r for r in response["results"] if r["input_id"] == input_id]
+    return [o["logprob"] for o in result["queries"][0]["combinations"][0]["options"]]
+
+
+def _count(name: str) -> int:
+    return audio.soft_token_count(
+        len(audio.read((MEDIA / name).read_bytes(), name[-3:], name, feature_config()))
+    )
+
+
+def test_a_clips_scores_do_not_depend_on_what_else_is_asked():
+    """A content with audio (a wav and an mp3 at 16 kHz, an 8 kHz stereo wav resampled) scores the same bits
+    alone, after other contents, and asked again (its soft tokens then come from the engine's cache); its
+    soft tokens are counted in usage; another clip gives other scores."""
+    scorer = Scorer(engines.engine("gemma4-audio"), packs={})
+    target = audio_input("target", "Listen:", audio_part("voice.mp3"), audio_part("noise-8k.wav"))
+    alone = scorer.score({"inputs": [target], "scoring": {"queries": [QUERY]}})
+    details = alone["usage"]["prompt_tokens_details"]
+    assert (
+        details["audio_tokens"] == _count("voice.mp3") + _count("noise-8k.wav")
+        and details["image_tokens"] == 0
+    )
+    other = audio_input("other", "And:", audio_part("tone.wav"))
+    long_text = {"id": "text", "messages": [{"role": "user", "content": "words " * 300}]}
+    packed = scorer.score({"inputs": [long_text, other, target], "scoring": {"queries": [QUERY]}})
+    assert _logprobs(packed, "target") == _logprobs(alone, "target")
+    assert _logprobs(packed, "other") != _logprobs(packed, "target")
+
+
+@pytest.mark.parametrize(
+    ("part", "code", "where"),
+    [
+        (
+            {"type": "input_audio", "input_audio": {"data": "not base64!", "format": "wav"}},
+            "invalid_media",
+            ".input_audio.data",
+        ),
+        ({"type": "input_audio", "input_audio": {"format": "wav"}}, "invalid_request", ".input_audio.data"),
+        (audio_part("tone.wav", "flac"), "unsupported_media", ".input_audio.format"),
+        (audio_part("voice.mp3", "wav"), "invalid_media", ".input_audio.data"),
+        (
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            "unsupported_content",
+            "",
+        ),
+    ],
+)
+def test_bad_audio_parts_say_why(part, code, where):
+    """Each bad part is a ScoringError with its own code and field: not base64, no data, a format we do not
+    decode, a file that is not what its format says, and an image sent to a model that hears but does not
+    see."""
+    scorer = Scorer(engines.engine("gemma4-audio"), packs={})
+    with pytest.raises(ScoringError) as e:
+        scorer.score({"inputs": [audio_input("a", "Listen:", part)], "scoring": {"queries": [QUERY]}})
+    assert e.value.code == code and e.value.param == "inputs[0].messages[0].content[1]" + where, e.value
+
+
+def test_audio_limits_at_their_edges():
+    """A clip longer than the 30 s the model reads is refused (never cut short); the clips of a content
+    together within max_audio_seconds_per_content, and each file within max_audio_bytes."""
+    engine = engines.engine("gemma4-audio")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(8000)
+        w.writeframes(np.zeros(8000 * 31, np.int16).tobytes())
+    long_clip = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(buffer.getvalue()).decode(), "format": "wav"},
+    }
+    scorer = Scorer(engine, packs={})
+    with pytest.raises(ScoringError, match="31.0 s") as e:
+        scorer.score({"inputs": [audio_input("a", "Listen:", long_clip)], "scoring": {"queries": [QUERY]}})
+    assert e.value.code == "invalid_media"
+    seconds = len(audio.read((MEDIA / "tone.wav").read_bytes(), "wav", "x", feature_config())) / 16_000
+    tight = Scorer(engine, Limits(max_audio_seconds_per_content=2 * seconds + 1e-3), {})
+    for clips, code in [(2, None), (3, "too_much_audio")]:
+        body = {
+            "inputs": [audio_input("a", "Listen:", *[audio_part("tone.wav")] * clips)],
+            "scoring": {"queries": [QUERY]},
+        }
+        if code is None:
+            tight.score(body)
+        else:
+            with pytest.raises(ScoringError) as e:
+                tight.score(body)
+            assert e.value.code == code and e.value.param == "inputs[0].messages"
+    small = Scorer(engine, Limits(max_audio_bytes=len((MEDIA / "tone.wav").read_bytes()) - 1), {})
+    with pytest.raises(ScoringError, match="bytes") as e:
+        small.score(
+            {"inputs": [audio_input("a", "Listen:", audio_part("tone.wav"))], "scoring": {"queries": [QUERY]}}
+        )
+    assert e.value.code == "invalid_media"
+
+
+def test_audio_to_a_model_that_does_not_hear_says_so():
+    scorer = Scorer(engines.engine("gemma4-vision"), packs={})
+    with pytest.raises(ScoringError, match="reads text and images") as e:
+        scorer.score(
+            {"inputs": [audio_input("a", "Listen:", audio_part("tone.wav"))], "scoring": {"queries": [QUERY]}}
+        )
+    assert e.value.code == "unsupported_content"
+
+
+def test_the_server_hears_audio():
+    """Over HTTP: a clip scores as in the library, usage counts its tokens, /health reports the audio limits
+    (and no image limits: this model does not see), and a bad clip is a 400 in the error envelope."""
+    from spinf_jax.server.app import Settings, create_app
+
+    engine = engines.engine("gemma4-audio")
+    settings = Settings(str(FOLDER), "fp32", buckets=(256, 512, 1024), packs={})
+    body = {"inputs": [audio_input("a", "Listen:", audio_part("tone.wav"))], "scoring": {"queries": [QUERY]}}
+    with serving(create_app(settings, engine)) as url:
+        ok = httpx.post(f"{url}/v1/score", json=body)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["prompt_tokens_details"]["audio_tokens"] == _count("tone.wav")
+        assert _logprobs(ok.json(), "a") == _logprobs(Scorer(engine, packs={}).score(body), "a")
+        bad = {**body, "inputs": [audio_input("a", "Listen:", audio_part("tone.wav", "ogg"))]}
+        answer = httpx.post(f"{url}/v1/score", json=bad)
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "unsupported_media"
+        limits = httpx.get(f"{url}/health").json()["limits"]
+        assert limits["max_audio_seconds_per_content"] == 120 and limits["max_audio_bytes"] == 1_500_000
+        assert "max_images_per_content" not in limits

@@ -17,7 +17,7 @@ from spinf_jax.scoring import Scorer
 from spinf_jax.server import app as app_module
 from spinf_jax.server.app import Server, Settings, create_app
 from spinf_jax.server.runner import Runner
-from tests import engines, test_media
+from tests import engines, test_audio, test_media
 from tests.serving import loaded
 
 REPO = Path(__file__).resolve().parent.parent
@@ -241,6 +241,13 @@ def test_server_codes_are_reachable(client, monkeypatch):
             (remote if code == "media_unreachable" else scorer).plan(body)
         assert e.value.code == code
         reached.add(e.value.code)
+
+    # Audio, on a model that hears (tests/test_audio.py serves its other codes).
+    clip = test_audio.audio_part("tone.wav")
+    with pytest.raises(ScoringError) as e:
+        body = {"messages": [{"content": [clip, clip]}], "scoring": {"queries": [test_media.QUERY]}}
+        Scorer(engines.engine("gemma4-audio"), Limits(max_audio_seconds_per_content=0.5), {}).plan(body)
+    reached.add(e.value.code)
 
     unreached = set(CODES) - set(REQUESTS) - set(DECISIONS) - reached
     assert not unreached

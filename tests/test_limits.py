@@ -8,7 +8,7 @@ import pytest
 from litestar.testing import TestClient
 
 from spinf_jax.api import ScoreRequest
-from spinf_jax.compiler import IMAGE_LIMITS, Limits, compile_request
+from spinf_jax.compiler import AUDIO_LIMITS, IMAGE_LIMITS, Limits, compile_request
 from spinf_jax.decoding import convert
 from spinf_jax.engine import Engine
 from spinf_jax.errors import ScoringError
@@ -132,9 +132,11 @@ def test_every_reported_limit_is_tested_at_its_edge(client, gemma_engine):
     assert set(reported) == tested
 
 
-# The image limits are tested at their edges on a model that reads images (tests/test_media.py).
+# The image and audio limits are tested at their edges on models that read them (tests/test_media.py,
+# tests/test_audio.py).
+MEDIA_LIMITS = (*IMAGE_LIMITS, *AUDIO_LIMITS)
 COMPILE_TIME = [
-    f.name for f in dataclasses.fields(Limits) if f.name not in ("max_request_tokens", *IMAGE_LIMITS)
+    f.name for f in dataclasses.fields(Limits) if f.name not in ("max_request_tokens", *MEDIA_LIMITS)
 ]
 
 

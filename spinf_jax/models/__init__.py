@@ -4,7 +4,7 @@ transformers config."""
 
 from flax import nnx
 
-from spinf_jax.models import gemma4_vision, siglip
+from spinf_jax.models import gemma4_audio, gemma4_vision, siglip
 from spinf_jax.models.decoder import Decoder
 from spinf_jax.models.gemma3 import Gemma3
 from spinf_jax.models.gemma4 import Gemma4
@@ -56,3 +56,12 @@ def abstract_tower(hf_config: dict, precision: Precision | str) -> nnx.Module | 
         return None
     config = family.Config.from_hf(hf_config)
     return nnx.eval_shape(lambda: family.VisionTower(config, Precision(precision)))
+
+
+def abstract_audio_tower(hf_config: dict, precision: Precision | str, mel_bins: int) -> nnx.Module | None:
+    """Gemma 4's audio tower (E2B, E4B), abstract as abstract_tower's; None for every other checkpoint.
+    mel_bins: the feature extractor's (spinf_jax.audio.AudioFormat)."""
+    if hf_config.get("model_type") != "gemma4" or hf_config.get("audio_config") is None:
+        return None
+    config = gemma4_audio.Config.from_hf(hf_config, mel_bins)
+    return nnx.eval_shape(lambda: gemma4_audio.AudioTower(config, Precision(precision)))

@@ -97,19 +97,21 @@ class TreeBatch:
         )
         return batch, starts
 
-    def with_images(self, images: list[tuple[int, jax.Array]], capacity: int | None = None) -> "TreeBatch":
-        """This pass with images in it: (the row of an image's first soft token, its soft tokens [n, hidden])
-        each; their rows see the whole image. `capacity`: rows of `media` (their count by default)."""
+    def with_images(self, images: list[tuple], capacity: int | None = None) -> "TreeBatch":
+        """This pass with media in it: (the row of an image's or clip's first soft token, its soft tokens
+        [n, hidden][, "audio" for a clip]) each. An image's rows see the whole image; a clip's attend causally
+        (as transformers masks Gemma 4's audio). `capacity`: rows of `media` (their count by default)."""
         t = self.tokens.shape[0]
         reach = np.arange(1, t + 1, dtype=np.int32)
         media_row = np.full(t, -1, np.int32)
         taken = 0
-        for row, soft in images:
+        for row, soft, *kind in images:
             n = soft.shape[0]
-            reach[row : row + n] = row + n
+            if kind != ["audio"]:
+                reach[row : row + n] = row + n
             media_row[row : row + n] = np.arange(taken, taken + n)
             taken += n
-        media = jnp.concatenate([soft for _, soft in images])
+        media = jnp.concatenate([soft for _, soft, *_ in images])
         media = jnp.pad(media, ((0, (capacity or taken) - taken), (0, 0)))
         return dataclasses.replace(
             self, reach=jnp.asarray(reach), media=media, media_row=jnp.asarray(media_row)

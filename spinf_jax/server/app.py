@@ -350,7 +350,9 @@ async def health(request: Request) -> Response[api.Health]:
         body.system_fingerprint = engine.fingerprint
         body.buckets = list(engine.buckets.sizes)
         body.limits = {
-            **server.scorer.limits.reported(engine.model.image_format is not None),
+            **server.scorer.limits.reported(
+                engine.model.image_format is not None, engine.model.audio_format is not None
+            ),
             "max_body_bytes": MAX_BODY,
         }
         body.packs = [describe(p.loaded) for p in server.packs.values()]

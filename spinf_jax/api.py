@@ -332,6 +332,9 @@ class TokenDetails(Struct, kw_only=True):
     audio_tokens: Annotated[
         int, Meta(description="of content_tokens, the audio clips' soft tokens (models that hear audio)")
     ] = 0
+    video_tokens: Annotated[
+        int, Meta(description="of content_tokens, the video frames' soft tokens (models that read video)")
+    ] = 0
 
 
 class Usage(Struct, kw_only=True):

@@ -36,7 +36,7 @@ from spinf_jax.layout import (
     Extract,
     QuestionKey,
 )
-from spinf_jax.media import ImageFormat
+from spinf_jax.media import ImageFormat, PatchedImages
 
 if TYPE_CHECKING:
     from spinf_jax.packs.compiled import CompiledPack
@@ -77,6 +77,9 @@ class Limits:
     # content's clips together at most this long (25 soft tokens a second), each file at most this large.
     max_audio_seconds_per_content: float = 120.0
     max_audio_bytes: int = 1_500_000
+    # For models that read video as frames (Gemma 4): the frames of a content's videos together (Gemma 4's
+    # video processor samples 32 a video), each an image file within max_image_bytes.
+    max_video_frames_per_content: int = 32
 
     def reported(self, reads_images: bool, reads_audio: bool = False) -> dict[str, int | float | bool]:
         """The limits a server reports (/health): those on images and audio only for a model that reads
@@ -85,7 +88,13 @@ class Limits:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
-IMAGE_LIMITS = ("max_images_per_content", "max_image_bytes", "allow_remote_media", "remote_media_timeout_s")
+IMAGE_LIMITS = (
+    "max_images_per_content",
+    "max_image_bytes",
+    "allow_remote_media",
+    "remote_media_timeout_s",
+    "max_video_frames_per_content",
+)
 AUDIO_LIMITS = ("max_audio_seconds_per_content", "max_audio_bytes")
 
 
@@ -134,19 +143,22 @@ class PackAsk:
 
 @dataclass(frozen=True)
 class ContentImage:
-    """An image part of a content: its file, read by the scorer (once per distinct file), and its field."""
+    """An image part of a content, or a frame of a video part: its file, read by the scorer (once per
+    distinct file), and its field (`param` + `url`: where errors about it point)."""
 
     data: bytes
     param: str
+    url: str = ".image_url.url"
+    frame: bool = False  # a video's frame: read at the video budget (MediaFormats.video)
 
     @cached_property
     def digest(self) -> str:
-        return media.digest(self.data)
+        return ("frame:" if self.frame else "") + media.digest(self.data)
 
     def soft_count(self, fmt: ImageFormat) -> int:
         """How many soft tokens the model reads this image as (from its size: its header is read here, the
         whole file when the engine reads it)."""
-        where = self.param + ".image_url.url"
+        where = self.param + self.url
         try:
             return fmt.soft_count(media.image_size(self.data, where), where)
         except media.MediaError as e:
@@ -184,12 +196,34 @@ class ContentAudio:
 
 
 @dataclass(frozen=True)
+class ContentVideo:
+    """A video part of a content: its frames (ContentImage, frame=True), `fps` of them a second."""
+
+    frames: tuple[ContentImage, ...]
+    fps: float
+    param: str
+
+    def stamps(self) -> list[str]:
+        """The text before each frame, as Gemma 4's processor writes a video: "mm:ss " (the frame's time in
+        whole seconds), frames after the first joined by a space."""
+        times = [k / self.fps for k in range(len(self.frames))]
+        return [(" " if k else "") + f"{int(t // 60):02d}:{int(t % 60):02d} " for k, t in enumerate(times)]
+
+
+@dataclass(frozen=True)
 class MediaFormats:
-    """How the model reads media parts: images (spinf_jax.media.ImageFormat) and audio clips
-    (spinf_jax.audio.AudioFormat); None where it does not."""
+    """How the model reads media parts: images (spinf_jax.media.ImageFormat), audio clips
+    (spinf_jax.audio.AudioFormat) and, where its images are Gemma 4's, videos as frames; None where it does
+    not."""
 
     image: ImageFormat | None = None
     audio: AudioFormat | None = None
+
+    @cached_property
+    def video(self) -> PatchedImages | None:
+        """A video's frames: images read at the video budget, for a model with a video token (Gemma 4)."""
+        image = self.image
+        return image.frames() if isinstance(image, PatchedImages) and image.video_id is not None else None
 
     @property
     def gap(self) -> str:
@@ -268,6 +302,9 @@ def _part_text(part: api.ContentPart, param: str, found, limits: Limits, formats
     if isinstance(part, api.AudioPart) and formats.audio is not None:
         found.append(_audio_part(part, param, formats.audio))
         return IMAGE_MARK
+    if isinstance(part, api.VideoPart) and formats.video is not None:
+        found.append(_video_part(part, param, limits))
+        return IMAGE_MARK
     if isinstance(part, api.ImagePart) and formats.image is not None:
         url = (part.image_url or {}).get("url")
         where = param + ".image_url.url"
@@ -279,6 +316,7 @@ def _part_text(part: api.ContentPart, param: str, found, limits: Limits, formats
             raise ScoringError(e.code, str(e), where) from None
         return IMAGE_MARK
     kinds = ["text"] + ["images"] * (formats.image is not None) + ["audio"] * (formats.audio is not None)
+    kinds += ["video"] * (formats.video is not None)
     reads = " and ".join(kinds) if len(kinds) > 1 else "text only"
     raise ScoringError(
         "unsupported_content",
@@ -307,6 +345,34 @@ def _audio_part(part: api.AudioPart, param: str, fmt: AudioFormat) -> ContentAud
         ) from None
 
 
+def _video_part(part: api.VideoPart, param: str, limits: Limits) -> ContentVideo:
+    """A video_url part given as its frames: {"frames": [image URLs, as an image part's], "fps": frames a
+    second (1 if not given)}. A video file is not decoded here."""
+    given = part.video_url or {}
+    frames, fps = given.get("frames"), given.get("fps", 1.0)
+    if frames is None and "url" in given:
+        raise ScoringError(
+            "unsupported_media",
+            "video files are not decoded: send the video as its frames, video_url.frames: a list of "
+            "data:image/...;base64 URLs (and video_url.fps, frames a second)",
+            param + ".video_url.url",
+        )
+    if not isinstance(frames, list) or not frames or not all(isinstance(f, str) for f in frames):
+        raise _invalid(
+            param + ".video_url.frames", "a video part needs video_url.frames: a list of image URLs"
+        )
+    if isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0:
+        raise _invalid(param + ".video_url.fps", "video_url.fps is a number of frames a second above 0")
+    parts = []
+    for k, url in enumerate(frames):
+        where = f"{param}.video_url.frames[{k}]"
+        try:
+            parts.append(ContentImage(_image_bytes(url, where, limits), where, url="", frame=True))
+        except media.MediaError as e:
+            raise ScoringError(e.code, str(e), where) from None
+    return ContentVideo(tuple(parts), float(fps), param)
+
+
 def _image_bytes(url: str, param: str, limits: Limits) -> bytes:
     """An image part's file: from its data URL, or fetched from its https:// URL where the server allows."""
     if not url.startswith(("https://", "http://")):
@@ -318,6 +384,13 @@ def _image_bytes(url: str, param: str, limits: Limits) -> bytes:
             "image as a data:image/...;base64 URL",
         )
     return media.fetch(url, param, max_bytes=limits.max_image_bytes, timeout_s=limits.remote_media_timeout_s)
+
+
+def _media_pieces(text: str, parts: tuple, param: str, formats: MediaFormats) -> list[str]:
+    """Every text piece _content_ids tokenises for a content with media: the text around them, the gap text,
+    videos' time stamps."""
+    stamps = [s for p in parts if isinstance(p, ContentVideo) for s in p.stamps()]
+    return [*_image_pieces(text, parts, param), formats.gap, *stamps]
 
 
 def _image_pieces(text: str, images: tuple[ContentImage, ...], param: str) -> list[str]:
@@ -339,7 +412,8 @@ def _content_ids(
 ) -> tuple[tuple[int, ...], Images]:
     """The tokens of a content's text with each media part's where it stands, as the model's processor
     expands it: an image as the image format's gap text, its start token, its soft tokens, its end token,
-    the gap text; an audio clip as its start token, its soft tokens, its end token. Each piece of text is
+    the gap text; an audio clip as its start token, its soft tokens, its end token; a video as each frame's
+    time stamp (ContentVideo.stamps), start token, video tokens and end token. Each piece of text is
     tokenised on its own."""
     if not images:
         return ids[text], ()
@@ -347,6 +421,14 @@ def _content_ids(
     pieces = _image_pieces(text, images, param)
     gap = ids[formats.gap] if formats.gap else ()
     for piece, part in zip(pieces, images, strict=False):
+        if isinstance(part, ContentVideo):
+            out += ids[piece]
+            fmt = formats.video
+            for stamp, frame in zip(part.stamps(), part.frames, strict=True):
+                out += [*ids[stamp], fmt.start_id]
+                placed.append((len(out), frame))
+                out += [fmt.video_id] * frame.soft_count(fmt) + [fmt.end_id]
+            continue
         fmt = formats.audio if isinstance(part, ContentAudio) else formats.image
         around = () if isinstance(part, ContentAudio) else gap
         soft_id = fmt.audio_id if isinstance(part, ContentAudio) else fmt.image_id
@@ -646,15 +728,23 @@ def _render(messages: list[api.Message], param: str, limits: Limits, formats: Me
     text = render_content(messages, param, found, limits, formats)
     images = [p for p in found if isinstance(p, ContentImage)]
     clips = [p for p in found if isinstance(p, ContentAudio)]
+    frames = [f for p in found if isinstance(p, ContentVideo) for f in p.frames]
+    images += frames  # each within max_image_bytes
     sized = [("an image", p, limits.max_image_bytes) for p in images]
     for kind, part, most in sized + [("an audio clip", p, limits.max_audio_bytes) for p in clips]:
         if len(part.data) > most:
             message = f"{kind} of {len(part.data):,} bytes; at most {most:,}"
             raise ScoringError("invalid_media", message, part.param)
-    if len(images) > limits.max_images_per_content:
+    if len(images) - len(frames) > limits.max_images_per_content:
         raise ScoringError(
             "too_many_images",
-            f"{len(images)} images in one content; at most {limits.max_images_per_content}",
+            f"{len(images) - len(frames)} images in one content; at most {limits.max_images_per_content}",
+            param,
+        )
+    if len(frames) > limits.max_video_frames_per_content:
+        raise ScoringError(
+            "too_many_frames",
+            f"{len(frames)} video frames in one content; at most {limits.max_video_frames_per_content}",
             param,
         )
     for clip in clips:
@@ -935,7 +1025,7 @@ def compile_request(
         piece
         for item, strings in texts.items()
         for text in strings
-        for piece in (_image_pieces(text, item.images, item.param) + [formats.gap] if item.images else [text])
+        for piece in (_media_pieces(text, item.images, item.param, formats) if item.images else [text])
     ]
     ids = _tokenize(tokenizer, pieces, used)
 

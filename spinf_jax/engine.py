@@ -369,15 +369,19 @@ class Engine:
     def _static(self) -> dict:
         return {"graphdef": self._graphdef, "row_tile": self.model.row_tile}
 
-    def image_tokens(self, digest: str, data: bytes, param: str) -> jax.Array:
+    def image_tokens(
+        self, digest: str, data: bytes, param: str, fmt: media.ImageFormat | None = None
+    ) -> jax.Array:
         """An image's soft tokens [n, hidden] on the device (n: ImageFormat.soft_count), from its file
         (`digest`: media.digest of `data`; `param`: its field, for errors): decoded, preprocessed and read by
-        the tower once per file while it stays among the IMAGE_CACHE most recent. Raises media.MediaError."""
+        the tower once per file while it stays among the IMAGE_CACHE most recent. `fmt`: the model's image
+        format unless given (a video's frames: its frames(), under digests of their own). Raises
+        media.MediaError."""
         with self._images_lock:
             if digest in self._images:
                 self._images.move_to_end(digest)
                 return self._images[digest]
-        fmt, image = self.model.image_format, media.open_image(data, param)
+        fmt, image = fmt or self.model.image_format, media.open_image(data, param)
         soft = self.model.soft_tokens(*fmt.tower_inputs(image, param))[: fmt.soft_count(image.size, param)]
         return self._keep(digest, soft)
 

@@ -28,6 +28,7 @@ CODES: dict[str, tuple[int, str]] = {
     "media_unreachable": (400, "an https:// image that could not be fetched, or not in time"),
     "too_many_images": (400, "more than 16 images in one content"),
     "too_much_audio": (400, "more than 120 s of audio in one content"),
+    "too_many_frames": (400, "more than 32 video frames in one content"),
     "content_too_long": (400, "a content of more than 4,096 tokens"),
     "question_too_large": (400, "a content with one of its questions is larger than the largest bucket"),
     "too_many_questions": (400, "more than 10,000 questions (templates × combinations) for one content"),

@@ -10,6 +10,7 @@ from these in the last bits of a few values.
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import io
 import json
@@ -74,7 +75,9 @@ class ImageFormat:
         pre = folder / "preprocessor_config.json" if folder is not None else None
         p = json.loads(pre.read_text()) if pre is not None and pre.is_file() else {}
         if config.get("model_type") == "gemma4":
-            return PatchedImages.from_config(config, p)
+            video = folder / "video_preprocessor_config.json" if folder is not None else None
+            v = json.loads(video.read_text()) if video is not None and video.is_file() else {}
+            return PatchedImages.from_config(config, p, v)
         return SquareImages.from_config(config, p)
 
 
@@ -135,9 +138,17 @@ class PatchedImages(ImageFormat):
     patch: int = 16
     pool: int = 3
     max_soft_tokens: int = 280  # the processor's budget (one of 70, 140, 280, 560, 1120)
+    # Video frames: images read at the video processor's (smaller) budget, their soft tokens video tokens.
+    video_id: int | None = None
+    frame_soft_tokens: int = 70
+
+    def frames(self) -> "PatchedImages":
+        """The format of a video's frames: this one at the video budget."""
+        return dataclasses.replace(self, max_soft_tokens=self.frame_soft_tokens)
 
     @staticmethod
-    def from_config(config: dict, p: dict) -> "PatchedImages":
+    def from_config(config: dict, p: dict, video: dict) -> "PatchedImages":
+        """From config.json, preprocessor_config.json (p) and video_preprocessor_config.json (video)."""
         vision = config["vision_config"]
         if p.get("do_normalize"):
             raise ValueError("Gemma 4 images normalised by a mean and std (do_normalize) are not supported")
@@ -151,6 +162,8 @@ class PatchedImages(ImageFormat):
             patch=p.get("patch_size", vision.get("patch_size", 16)),
             pool=p.get("pooling_kernel_size", vision.get("pooling_kernel_size", 3)),
             max_soft_tokens=p.get("max_soft_tokens", 280),
+            video_id=config.get("video_token_id"),
+            frame_soft_tokens=video.get("max_soft_tokens", 70),
         )
 
     @property

@@ -93,25 +93,28 @@ def score_reference(engine: Engine, prompts: list[dict]) -> tuple[np.ndarray, np
 
 
 def _images(engine: Engine, prompt: dict) -> tuple:
-    """A recorded prompt's media (files in fixtures/media, named in order: its "images", or its "audio"
-    clips) as read_tree takes them: each at the row after its start token."""
+    """A recorded prompt's media (files in fixtures/media, named in order: its "images", its "audio" clips,
+    or its "video" frames) as read_tree takes them: each at the row after its start token."""
     model = engine.model
-    if prompt.get("images"):
-        names, start = prompt["images"], model.image_format.start_id
-    elif prompt.get("audio"):
-        names, start = prompt["audio"], model.audio_format.start_id
-    else:
+    kind = next((k for k in ("images", "audio", "video") if prompt.get(k)), None)
+    if kind is None:
         return ()
+    start = model.audio_format.start_id if kind == "audio" else model.image_format.start_id
     rows = [i + 1 for i, token in enumerate(prompt["token_ids"]) if token == start]
-    media_entries = []
-    for row, name in zip(rows, names, strict=True):
+    entries = []
+    for row, name in zip(rows, prompt[kind], strict=True):
         data = (MEDIA / name).read_bytes()
-        if prompt.get("images"):
-            media_entries.append((row, engine.image_tokens(media.digest(data), data, name)))
+        if kind == "images":
+            entries.append((row, engine.image_tokens(media.digest(data), data, name)))
+        elif kind == "video":
+            frames = model.image_format.frames()
+            entries.append(
+                (row, engine.image_tokens("frame:" + media.digest(data), data, name, frames), "video")
+            )
         else:
             samples = audio.read(data, Path(name).suffix[1:], name, model.audio_format.features)
-            media_entries.append((row, engine.audio_tokens(media.digest(data), samples), "audio"))
-    return tuple(media_entries)
+            entries.append((row, engine.audio_tokens(media.digest(data), samples), "audio"))
+    return tuple(entries)
 
 
 def reference_buckets(row_tile: int | None = None) -> Buckets:

@@ -108,7 +108,7 @@ class Scorer:
 
         def read(content_ids, queries, param, images: Images = ()) -> list[Tree]:
             keys = [q.key for query in queries for q in query.questions]
-            soft = tuple((row, *self._soft_tokens(part)) for row, part in images)
+            soft = tuple((row, *self._soft_tokens(part, formats)) for row, part in images)
             try:
                 chunks = content_trees(prefix, list(content_ids), keys, self.engine.buckets, soft)
             except ValueError as e:
@@ -136,14 +136,16 @@ class Scorer:
             pack_floors += [pack_id] * len(chunks)
         return Plan(request, trees, owners, missing, floors, pack_floors)
 
-    def _soft_tokens(self, part) -> tuple:
+    def _soft_tokens(self, part, formats: MediaFormats) -> tuple:
         """A media part's soft tokens, as a tree's media entry after its row (TreeBatch.with_images)."""
         if isinstance(part, ContentAudio):
             return self.engine.audio_tokens(part.digest, part.samples), "audio"
         try:
+            if part.frame:
+                return self.engine.image_tokens(part.digest, part.data, part.param, formats.video), "video"
             return (self.engine.image_tokens(part.digest, part.data, part.param),)
         except media.MediaError as e:
-            raise ScoringError(e.code, str(e), part.param + ".image_url.url") from None
+            raise ScoringError(e.code, str(e), part.param + part.url) from None
 
     def finish(self, plan: Plan, scored: list["Scored"]) -> api.ScoreResponse:
         """The response of a plan whose trees were scored (in the plan's order)."""
@@ -161,8 +163,9 @@ class Scorer:
             query_tokens=sum(len(t) - t.trunk_tokens for t in by_content),
             floor_tokens=sum(len(t) for t in plan.trees[n:]),
             decode_tokens=sum(result.decode_tokens for result in scored),
-            image_tokens=sum(m[1].shape[0] for t in by_content for m in t.images if m[2:] != ("audio",)),
+            image_tokens=sum(m[1].shape[0] for t in by_content for m in t.images if m[2:] == ()),
             audio_tokens=sum(m[1].shape[0] for t in by_content for m in t.images if m[2:] == ("audio",)),
+            video_tokens=sum(m[1].shape[0] for t in by_content for m in t.images if m[2:] == ("video",)),
         )
         per_read: list[list[list]] = [[[] for _ in c.reads()] for c in plan.request.contents]
         for (c, part), result in zip(plan.owners, scored[:n], strict=True):

@@ -242,6 +242,15 @@ def test_server_codes_are_reachable(client, monkeypatch):
         assert e.value.code == code
         reached.add(e.value.code)
 
+    # A video's frames, on a model that reads them (tests/test_media.py).
+    with pytest.raises(ScoringError) as e:
+        frames = {"frames": ["data:image/png;base64,AAAA"] * 33}
+        body = {"messages": [{"content": [{"type": "video_url", "video_url": frames}]}]}
+        Scorer(engines.engine("gemma4-vision"), packs={}).plan(
+            {**body, "scoring": {"queries": [test_media.QUERY]}}
+        )
+    reached.add(e.value.code)
+
     # Audio, on a model that hears (tests/test_audio.py serves its other codes).
     clip = test_audio.audio_part("tone.wav")
     with pytest.raises(ScoringError) as e:

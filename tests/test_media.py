@@ -376,3 +376,81 @@ def test_a_fetched_image_scores_as_its_data_url(web, monkeypatch):
         scorer.score(body)
     assert e.value.code == "unsupported_media"
     assert e.value.param == "inputs[0].messages[0].content[1].image_url.url"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Video, as frames (Gemma 4; the manifest's tiny-gemma4-video entry checks parity through the engine)
+
+
+def video_input(input_id: str, text: str, *names: str, fps: float | None = None) -> dict:
+    video = {"frames": [data_url(n) for n in names], **({} if fps is None else {"fps": fps})}
+    parts = [{"type": "text", "text": text}, {"type": "video_url", "video_url": video}]
+    return {"id": input_id, "messages": [{"role": "user", "content": parts}]}
+
+
+def test_a_videos_scores_do_not_depend_on_what_else_is_asked():
+    """A video's frames are read at the video budget (their tokens counted as video tokens), its time stamps
+    written as Gemma 4's processor writes them; it scores the same bits alone and packed with an image
+    content; its frames' order and rate matter."""
+    scorer = Scorer(engines.engine("gemma4-vision"), packs={})
+    frames = model("gemma4-vision").image_format.frames()
+    target = video_input("target", "Clip:", "gradient.png", "grey.png", "stripes.png")
+    alone = scorer.score({"inputs": [target], "scoring": {"queries": [QUERY]}})
+    details = alone["usage"]["prompt_tokens_details"]
+    want = sum(
+        frames.soft_count(Image.open(MEDIA / n).size, n) for n in ("gradient.png", "grey.png", "stripes.png")
+    )
+    assert details["video_tokens"] == want and details["image_tokens"] == 0
+    other = image_input("other", "Look:", "alpha.png")
+    packed = scorer.score({"inputs": [other, target], "scoring": {"queries": [QUERY]}})
+    assert _logprobs(packed, "target") == _logprobs(alone, "target")
+    assert packed["usage"]["prompt_tokens_details"]["image_tokens"] == _soft_count(
+        "gemma4-vision", "alpha.png"
+    )
+    reordered = video_input("target", "Clip:", "grey.png", "gradient.png", "stripes.png")
+    faster = video_input("target", "Clip:", "gradient.png", "grey.png", "stripes.png", fps=0.1)
+    for changed in (reordered, faster):
+        scored = scorer.score({"inputs": [changed], "scoring": {"queries": [QUERY]}})
+        assert _logprobs(scored, "target") != _logprobs(alone, "target")
+
+
+def test_the_frames_budget_is_the_video_processors(tmp_path):
+    """A checkpoint's video_preprocessor_config.json sets its frames' budget (70 soft tokens by default, as
+    Gemma4VideoProcessor's), apart from its images'."""
+    from spinf_jax.media import ImageFormat
+
+    folder = FIXTURES / "tiny" / "gemma4-vision"
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text((folder / "preprocessor_config.json").read_text())
+    assert ImageFormat.from_checkpoint(config, tmp_path).frames().max_soft_tokens == 70
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 140}))
+    fmt = ImageFormat.from_checkpoint(config, tmp_path)
+    assert (fmt.max_soft_tokens, fmt.frames().max_soft_tokens) == (70, 140)
+    assert fmt.frames().soft_count((400, 300), "x") > fmt.soft_count((400, 300), "x")
+
+
+@pytest.mark.parametrize(
+    ("video", "code", "where"),
+    [
+        ({"url": "data:video/mp4;base64,AAAA"}, "unsupported_media", ".video_url.url"),
+        ({"frames": []}, "invalid_request", ".video_url.frames"),
+        ({"frames": ["data:image/png;base64,AAAA"], "fps": 0}, "invalid_request", ".video_url.fps"),
+        ({"frames": ["data:image/png;base64,AAAA"]}, "invalid_media", ".video_url.frames[0]"),
+        ({"frames": ["data:image/png;base64,AAAA"] * 33}, "too_many_frames", ""),
+    ],
+)
+def test_bad_videos_say_why(video, code, where):
+    scorer = Scorer(engines.engine("gemma4-vision"), packs={})
+    part = {"type": "video_url", "video_url": video}
+    body = {"inputs": [{"id": "a", "messages": [{"content": [part]}]}], "scoring": {"queries": [QUERY]}}
+    with pytest.raises(ScoringError) as e:
+        scorer.score(body)
+    param = "inputs[0].messages" if code == "too_many_frames" else "inputs[0].messages[0].content[0]" + where
+    assert (e.value.code, e.value.param) == (code, param), e.value
+
+
+def test_gemma3_reads_no_video():
+    scorer = Scorer(engines.engine("gemma3-vision"), packs={})
+    with pytest.raises(ScoringError, match="reads text and images") as e:
+        scorer.score({"inputs": [video_input("a", "Clip:", "grey.png")], "scoring": {"queries": [QUERY]}})
+    assert e.value.code == "unsupported_content"

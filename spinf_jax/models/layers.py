@@ -99,8 +99,9 @@ class TreeBatch:
 
     def with_images(self, images: list[tuple], capacity: int | None = None) -> "TreeBatch":
         """This pass with media in it: (the row of an image's or clip's first soft token, its soft tokens
-        [n, hidden][, "audio" for a clip]) each. An image's rows see the whole image; a clip's attend causally
-        (as transformers masks Gemma 4's audio). `capacity`: rows of `media` (their count by default)."""
+        [n, hidden][, "audio" for a clip, "video" for a video's frame]) each. An image's (or frame's) rows see
+        the whole image; a clip's attend causally (as transformers masks Gemma 4's audio). `capacity`: rows of
+        `media` (their count by default)."""
         t = self.tokens.shape[0]
         reach = np.arange(1, t + 1, dtype=np.int32)
         media_row = np.full(t, -1, np.int32)

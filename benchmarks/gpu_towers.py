@@ -1,10 +1,12 @@
-"""The vision towers at a real width on the GPU: our soft tokens against transformers' (fp32, eager), and the
-time one image takes. Gemma 3's SigLIP (So400m: 27 layers, hidden 1152, 896 px) and Gemma 4's tower (16
-layers, hidden 768, 16 px patches pooled 3×3, 280 soft tokens), each with transformers' own classes and a
-seeded random init scaled so that its outputs depend on the image (norms near one, matrices of std
-1/sqrt(fan_in)), handed to our loader tensor by tensor.
+"""The media towers at a real width on the GPU: our soft tokens against transformers' (fp32; eager attention,
+SDPA for the audio tower, whose eager mask transformers inverts), and the time one image or clip takes.
+Gemma 3's SigLIP (So400m: 27 layers, hidden 1152, 896 px), Gemma 4's vision tower (16 layers, hidden 768,
+16 px patches pooled 3×3, 280 soft tokens) and Gemma 4's audio tower (its configuration's defaults, the
+E2B/E4B one: 12 conformer layers, hidden 1024), each with transformers' own classes and a seeded random init
+scaled so that its outputs depend on the input (norms near one, matrices of std 1/sqrt(fan_in)), handed to
+our loader tensor by tensor. Images: three of fixtures/media; audio: its 16 kHz clips.
 
-    python3 benchmarks/gpu_vision.py --out $OUT
+    python3 benchmarks/gpu_towers.py --out $OUT
 """
 
 import argparse
@@ -22,6 +24,7 @@ from transformers import (
     Gemma3Config,
     Gemma3ImageProcessorPil,
     Gemma3TextConfig,
+    Gemma4AudioConfig,
     Gemma4ImageProcessorPil,
     Gemma4TextConfig,
     Gemma4VisionConfig,
@@ -30,12 +33,13 @@ from transformers import (
     SiglipVisionModel,
 )
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
-from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel, Gemma4MultimodalEmbedder
 
+from spinf_jax import audio
 from spinf_jax.checkpoint import _aliases
 from spinf_jax.loader import load_weights
 from spinf_jax.media import PatchedImages, SquareImages
-from spinf_jax.models import gemma4_vision, siglip
+from spinf_jax.models import gemma4_audio, gemma4_vision, siglip
 from spinf_jax.quant import Precision
 
 MEDIA = Path(__file__).resolve().parent.parent / "fixtures" / "media"
@@ -132,6 +136,77 @@ def gemma4(dev: str):
     return config, parts, fmt, gemma4_vision, reference
 
 
+CLIPS = ["tone.wav", "click-8bit.wav", "voice.mp3"]
+
+
+def gemma4_audio_tower(dev: str):
+    """As gemma3/gemma4, for the audio tower: (config, parts, inputs per clip, our family, reference)."""
+    heard = Gemma4AudioConfig()
+    heard._attn_implementation = "sdpa"
+    text = Gemma4TextConfig(hidden_size=TEXT_HIDDEN)
+    config = {"model_type": "gemma4", "audio_config": heard.to_dict(), "text_config": text.to_dict()}
+    tower, embed = Gemma4AudioModel(heard).eval(), Gemma4MultimodalEmbedder(heard, text).eval()
+    randomize(tower, 0)
+    randomize(embed, 1)
+    with torch.no_grad():  # clip bounds wide enough to clip rarely (transformers' defaults are infinite)
+        for name, b in tower.named_buffers():
+            if name.endswith(("_min", "_max")):
+                b.fill_(-8.0 if name.endswith("_min") else 8.0)
+    features = audio.FeatureConfig()
+
+    def inputs(name: str):
+        samples = audio.read((MEDIA / name).read_bytes(), name[-3:], name, features)
+        f, m = audio.features(samples, features)
+        return gemma4_audio.pad_frames(f, m), audio.soft_token_count(len(samples), features), (f, m)
+
+    def reference(name: str):
+        _, n, (f, m) = inputs(name)
+        with torch.no_grad():
+            out = tower.to(dev)(torch.tensor(f)[None].to(dev), torch.tensor(m)[None].to(dev))
+            return embed.to(dev)(out.last_hidden_state)[0, :n]
+
+    parts = {"model.audio_tower.": tower, "model.embed_audio.": embed}
+    return config, parts, inputs, gemma4_audio, reference
+
+
+def measure_audio(dev: str) -> dict:
+    config, parts, inputs, family, reference = gemma4_audio_tower(dev)
+    weights = Weights(parts, config)
+    result = {"tower": "gemma4-audio"}
+    for precision in ("fp32", "bf16"):
+        cfg = family.Config.from_hf(config)
+        ours = nnx.eval_shape(lambda cfg=cfg, p=precision: family.AudioTower(cfg, Precision(p)))
+        load_weights(ours, weights)
+        graph, state = nnx.split(ours)
+        state = nnx.to_pure_dict(state)
+        run = jax.jit(lambda g, w, *x: nnx.merge(g, w)(*x)[0], static_argnums=0)
+        gaps, scale = [], 0.0
+        for name in CLIPS:
+            (f, m), n, _ = inputs(name)
+            want = reference(name).float().cpu().numpy()
+            got = np.asarray(run(graph, state, jnp.asarray(f), jnp.asarray(m))[:n], np.float32)
+            gaps.append(float(np.abs(got - want).max()))
+            scale = max(scale, float(np.abs(want).max()))
+        result[precision] = {
+            "max_abs_diff": max(gaps),
+            "max_abs_value": scale,
+            **_timed(run, graph, state, f, m),
+        }
+        print(f"gemma4-audio {precision}: max |Δ| {max(gaps):.3g} (values up to {scale:.3g})")
+    return result
+
+
+def _timed(run, graph, state, *inputs) -> dict:
+    """ms one input takes through the tower (20 calls after a warm-up)."""
+    inputs = [jnp.asarray(x) for x in inputs]
+    jax.block_until_ready(run(graph, state, *inputs))
+    start = time.perf_counter()
+    for _ in range(20):
+        out = run(graph, state, *inputs)
+    jax.block_until_ready(out)
+    return {"ms_per_input": (time.perf_counter() - start) / 20 * 1e3}
+
+
 def measure(name: str, build, dev: str) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -155,14 +230,12 @@ def measure(name: str, build, dev: str) -> dict:
             assert got.shape == want.shape, (got.shape, want.shape)
             gaps.append(float(np.abs(got - want).max()))
             scale = max(scale, float(np.abs(want).max()))
-        jax.block_until_ready(run(graph, state, *inputs))
-        start = time.perf_counter()
-        for _ in range(20):
-            out = run(graph, state, *inputs)
-        jax.block_until_ready(out)
-        ms = (time.perf_counter() - start) / 20 * 1e3
-        result[precision] = {"max_abs_diff": max(gaps), "max_abs_value": scale, "ms_per_image": ms}
-        print(f"{name} {precision}: max |Δ| {max(gaps):.3g} (values up to {scale:.3g}), {ms:.2f} ms/image")
+        result[precision] = {
+            "max_abs_diff": max(gaps),
+            "max_abs_value": scale,
+            **_timed(run, graph, state, *inputs),
+        }
+        print(f"{name} {precision}: max |Δ| {max(gaps):.3g} (values up to {scale:.3g})")
     return result
 
 
@@ -174,9 +247,10 @@ def main() -> None:
     args = parser.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     results = {"device": str(jax.devices()[0]), "torch_device": dev, "jax": jax.__version__}
-    results["towers"] = [measure("gemma3-siglip-so400m", gemma3, dev), measure("gemma4", gemma4, dev)]
-    (Path(args.out) / "gpu_vision.json").write_text(json.dumps(results, indent=1) + "\n")
-    print("| tower | precision | max abs diff vs transformers fp32 | largest value | ms per image |")
+    results["towers"] = [measure("gemma3-siglip-so400m", gemma3, dev), measure("gemma4-vision", gemma4, dev)]
+    results["towers"].append(measure_audio(dev))
+    (Path(args.out) / "gpu_towers.json").write_text(json.dumps(results, indent=1) + "\n")
+    print("| tower | precision | max abs diff vs transformers fp32 | largest value | ms per image or clip |")
     print("|---|---|---|---|---|")
     for r in results["towers"]:
         for p in ("fp32", "bf16"):
@@ -186,7 +260,7 @@ def main() -> None:
                 p,
                 f"{m['max_abs_diff']:.3g}",
                 f"{m['max_abs_value']:.3g}",
-                f"{m['ms_per_image']:.2f}",
+                f"{m['ms_per_input']:.2f}",
             ]
             print("| " + " | ".join(cells) + " |")
 

@@ -44,6 +44,7 @@ from spinf_jax.quant import Precision
 
 MEDIA = Path(__file__).resolve().parent.parent / "fixtures" / "media"
 IMAGES = ["gradient.png", "stripes.png", "grey.png"]
+CLIPS = ["tone.wav", "click-8bit.wav", "voice.mp3"]
 TEXT_HIDDEN = 2560  # Gemma 3 4B's and Gemma 4 E4B's text width
 
 
@@ -76,6 +77,11 @@ class Weights:
         return self.state[stored].float().cpu().numpy()
 
 
+# Each tower below: (its config.json dict, its transformers modules by checkpoint prefix, a function making
+# our abstract tower at a precision, its cases: (what our tower takes, rows that are the input's,
+# transformers' soft tokens [rows, text hidden] as f32 numpy)).
+
+
 def gemma3(dev: str):
     vision = SiglipVisionConfig(
         hidden_size=1152,
@@ -93,8 +99,8 @@ def gemma3(dev: str):
         "vision_config": vision.to_dict(),
         "text_config": {"hidden_size": TEXT_HIDDEN},
     }
-    tower = SiglipVisionModel(vision).eval()
-    projector = Gemma3MultiModalProjector(full).eval()
+    tower = SiglipVisionModel(vision).eval().to(dev)
+    projector = Gemma3MultiModalProjector(full).eval().to(dev)
     randomize(tower, 0)
     randomize(projector, 1)
     fmt = SquareImages(2, 1 / 255, 0, 0, 0, "\n\n", 896, 896)
@@ -103,10 +109,10 @@ def gemma3(dev: str):
     def reference(image):
         pixels = processor([image], return_tensors="pt")["pixel_values"].to(dev)
         with torch.no_grad():
-            return projector(tower.to(dev)(pixels).last_hidden_state)[0]
+            return projector(tower(pixels).last_hidden_state)[0]
 
     parts = {"vision_tower.": tower, "multi_modal_projector.": projector}  # as the released files
-    return config, parts, fmt, siglip, reference
+    return config, parts, _tower(siglip, config), _image_cases(fmt, reference)
 
 
 def gemma4(dev: str):
@@ -117,7 +123,8 @@ def gemma4(dev: str):
     vision._attn_implementation = "eager"
     text = Gemma4TextConfig(hidden_size=TEXT_HIDDEN)
     config = {"model_type": "gemma4", "vision_config": vision.to_dict(), "text_config": text.to_dict()}
-    tower, embed = Gemma4VisionModel(vision).eval(), Gemma4MultimodalEmbedder(vision, text).eval()
+    tower = Gemma4VisionModel(vision).eval().to(dev)
+    embed = Gemma4MultimodalEmbedder(vision, text).eval().to(dev)
     randomize(tower, 0)
     randomize(embed, 1)
     with torch.no_grad():
@@ -129,23 +136,20 @@ def gemma4(dev: str):
     def reference(image):
         inputs = processor([image], return_tensors="pt")
         with torch.no_grad():
-            out = tower.to(dev)(inputs["pixel_values"].to(dev), inputs["image_position_ids"].to(dev))
-            return embed.to(dev)(out.last_hidden_state)
+            out = tower(inputs["pixel_values"].to(dev), inputs["image_position_ids"].to(dev))
+            return embed(out.last_hidden_state)
 
     parts = {"model.vision_tower.": tower, "model.embed_vision.": embed}
-    return config, parts, fmt, gemma4_vision, reference
-
-
-CLIPS = ["tone.wav", "click-8bit.wav", "voice.mp3"]
+    return config, parts, _tower(gemma4_vision, config), _image_cases(fmt, reference)
 
 
 def gemma4_audio_tower(dev: str):
-    """As gemma3/gemma4, for the audio tower: (config, parts, inputs per clip, our family, reference)."""
     heard = Gemma4AudioConfig()
     heard._attn_implementation = "sdpa"
     text = Gemma4TextConfig(hidden_size=TEXT_HIDDEN)
     config = {"model_type": "gemma4", "audio_config": heard.to_dict(), "text_config": text.to_dict()}
-    tower, embed = Gemma4AudioModel(heard).eval(), Gemma4MultimodalEmbedder(heard, text).eval()
+    tower = Gemma4AudioModel(heard).eval().to(dev)
+    embed = Gemma4MultimodalEmbedder(heard, text).eval().to(dev)
     randomize(tower, 0)
     randomize(embed, 1)
     with torch.no_grad():  # clip bounds wide enough to clip rarely (transformers' defaults are infinite)
@@ -153,89 +157,75 @@ def gemma4_audio_tower(dev: str):
             if name.endswith(("_min", "_max")):
                 b.fill_(-8.0 if name.endswith("_min") else 8.0)
     features = audio.FeatureConfig()
-
-    def inputs(name: str):
+    cases = []
+    for name in CLIPS:
         samples = audio.read((MEDIA / name).read_bytes(), name[-3:], name, features)
         f, m = audio.features(samples, features)
-        return gemma4_audio.pad_frames(f, m), audio.soft_token_count(len(samples), features), (f, m)
-
-    def reference(name: str):
-        _, n, (f, m) = inputs(name)
+        n = audio.soft_token_count(len(samples), features)
         with torch.no_grad():
-            out = tower.to(dev)(torch.tensor(f)[None].to(dev), torch.tensor(m)[None].to(dev))
-            return embed.to(dev)(out.last_hidden_state)[0, :n]
+            out = tower(torch.tensor(f)[None].to(dev), torch.tensor(m)[None].to(dev))
+            want = embed(out.last_hidden_state)[0, :n].float().cpu().numpy()
+        cases.append((gemma4_audio.pad_frames(f, m), n, want))
+
+    def make(precision):  # our audio tower returns (soft tokens, their mask)
+        cfg = gemma4_audio.Config.from_hf(config)
+        return nnx.eval_shape(lambda: gemma4_audio.AudioTower(cfg, Precision(precision)))
 
     parts = {"model.audio_tower.": tower, "model.embed_audio.": embed}
-    return config, parts, inputs, gemma4_audio, reference
+    return config, parts, make, cases
 
 
-def measure_audio(dev: str) -> dict:
-    config, parts, inputs, family, reference = gemma4_audio_tower(dev)
-    weights = Weights(parts, config)
-    result = {"tower": "gemma4-audio"}
-    for precision in ("fp32", "bf16"):
+def _tower(family, config: dict):
+    def make(precision):
         cfg = family.Config.from_hf(config)
-        ours = nnx.eval_shape(lambda cfg=cfg, p=precision: family.AudioTower(cfg, Precision(p)))
-        load_weights(ours, weights)
-        graph, state = nnx.split(ours)
-        state = nnx.to_pure_dict(state)
-        run = jax.jit(lambda g, w, *x: nnx.merge(g, w)(*x)[0], static_argnums=0)
-        gaps, scale = [], 0.0
-        for name in CLIPS:
-            (f, m), n, _ = inputs(name)
-            want = reference(name).float().cpu().numpy()
-            got = np.asarray(run(graph, state, jnp.asarray(f), jnp.asarray(m))[:n], np.float32)
-            gaps.append(float(np.abs(got - want).max()))
-            scale = max(scale, float(np.abs(want).max()))
-        result[precision] = {
-            "max_abs_diff": max(gaps),
-            "max_abs_value": scale,
-            **_timed(run, graph, state, f, m),
-        }
-        print(f"gemma4-audio {precision}: max |Δ| {max(gaps):.3g} (values up to {scale:.3g})")
-    return result
+        return nnx.eval_shape(lambda: family.VisionTower(cfg, Precision(precision)))
+
+    return make
 
 
-def _timed(run, graph, state, *inputs) -> dict:
-    """ms one input takes through the tower (20 calls after a warm-up)."""
-    inputs = [jnp.asarray(x) for x in inputs]
-    jax.block_until_ready(run(graph, state, *inputs))
-    start = time.perf_counter()
-    for _ in range(20):
-        out = run(graph, state, *inputs)
-    jax.block_until_ready(out)
-    return {"ms_per_input": (time.perf_counter() - start) / 20 * 1e3}
+def _image_cases(fmt, reference) -> list:
+    cases = []
+    for name in IMAGES:
+        image = Image.open(MEDIA / name)
+        want = reference(image).float().cpu().numpy()
+        cases.append((fmt.tower_inputs(image, name), fmt.soft_count(image.size, name), want))
+    return cases
 
 
 def measure(name: str, build, dev: str) -> dict:
+    """A tower's max |Δ| against transformers over its cases, in fp32 and bf16, and the ms one input takes
+    (20 calls of the last case after a warm-up)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    config, parts, fmt, family, reference = build(dev)
+    config, parts, make, cases = build(dev)
     weights = Weights(parts, config)
     result = {"tower": name}
     for precision in ("fp32", "bf16"):
-        cfg = family.Config.from_hf(config)
-        ours = nnx.eval_shape(lambda cfg=cfg, p=precision: family.VisionTower(cfg, Precision(p)))
+        ours = make(precision)
         load_weights(ours, weights)
-        run = jax.jit(lambda g, w, *x: nnx.merge(g, w)(*x), static_argnums=0)
         graph, state = nnx.split(ours)
         state = nnx.to_pure_dict(state)
+
+        def soft(g, w, *x):
+            out = nnx.merge(g, w)(*x)
+            return out[0] if isinstance(out, tuple) else out
+
+        run = jax.jit(soft, static_argnums=0)
         gaps, scale = [], 0.0
-        for image_name in IMAGES:
-            image = Image.open(MEDIA / image_name)
-            inputs = [jnp.asarray(x) for x in fmt.tower_inputs(image, image_name)]
-            n = fmt.soft_count(image.size, image_name)
-            want = reference(image).float().cpu().numpy()
+        for inputs, n, want in cases:
+            inputs = [jnp.asarray(x) for x in inputs]
             got = np.asarray(run(graph, state, *inputs)[:n], np.float32)
             assert got.shape == want.shape, (got.shape, want.shape)
             gaps.append(float(np.abs(got - want).max()))
             scale = max(scale, float(np.abs(want).max()))
-        result[precision] = {
-            "max_abs_diff": max(gaps),
-            "max_abs_value": scale,
-            **_timed(run, graph, state, *inputs),
-        }
-        print(f"{name} {precision}: max |Δ| {max(gaps):.3g} (values up to {scale:.3g})")
+        jax.block_until_ready(run(graph, state, *inputs))
+        start = time.perf_counter()
+        for _ in range(20):
+            out = run(graph, state, *inputs)
+        jax.block_until_ready(out)
+        ms = (time.perf_counter() - start) / 20 * 1e3
+        result[precision] = {"max_abs_diff": max(gaps), "max_abs_value": scale, "ms_per_input": ms}
+        print(f"{name} {precision}: max |Δ| {max(gaps):.3g} (values up to {scale:.3g}), {ms:.2f} ms an input")
     return result
 
 
@@ -247,8 +237,12 @@ def main() -> None:
     args = parser.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     results = {"device": str(jax.devices()[0]), "torch_device": dev, "jax": jax.__version__}
-    results["towers"] = [measure("gemma3-siglip-so400m", gemma3, dev), measure("gemma4-vision", gemma4, dev)]
-    results["towers"].append(measure_audio(dev))
+    towers = [
+        ("gemma3-siglip-so400m", gemma3),
+        ("gemma4-vision", gemma4),
+        ("gemma4-audio", gemma4_audio_tower),
+    ]
+    results["towers"] = [measure(name, build, dev) for name, build in towers]
     (Path(args.out) / "gpu_towers.json").write_text(json.dumps(results, indent=1) + "\n")
     print("| tower | precision | max abs diff vs transformers fp32 | largest value | ms per image or clip |")
     print("|---|---|---|---|---|")

@@ -5,7 +5,7 @@ Decoding (spinf_jax.decoding) has checked the JSON types; this checks the meanin
 that need no tokens (one slot per template, placeholders and their values, options, ids, limits) while every
 query is expanded into its filled templates, then one tokenizer batch for every distinct string of the
 request, then what needs tokens (lengths, option boundaries) while building the immutable CompiledRequest the
-engine reads. Knows nothing of the model beyond its tokenizer and, for models that read images, how an image
+engine reads. Knows nothing of the model beyond its tokenizer and, for models that read media, how an image
 stands in the content (spinf_jax.media.ImageFormat).
 """
 
@@ -138,7 +138,7 @@ class PackAsk:
     queries: tuple[Query, ...]
     content_ids: tuple[int, ...] | None  # None: the pack's questions share the content's read
     cells: bool
-    images: "Images" = ()  # the wrapped content's
+    media: "MediaParts" = ()  # the wrapped content's
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ class MediaFormats:
 
 
 # Media in a content: (the row of the part's first soft token among the content's tokens, the part).
-Images = tuple[tuple[int, "ContentImage | ContentAudio"], ...]
+MediaParts = tuple[tuple[int, "ContentImage | ContentAudio"], ...]
 
 
 @dataclass(frozen=True)
@@ -242,16 +242,16 @@ class Content:
     queries: tuple[Query, ...]
     param: str  # its messages field, which errors about the content name
     packs: tuple[PackAsk, ...] = ()
-    images: Images = ()
+    media: MediaParts = ()
 
-    def reads(self) -> list[tuple[tuple[int, ...], Images, tuple[Query, ...]]]:
-        """The reads of this content: (content tokens, their images, the queries asked of them). The first
+    def reads(self) -> list[tuple[tuple[int, ...], MediaParts, tuple[Query, ...]]]:
+        """The reads of this content: (content tokens, their media, the queries asked of them). The first
         holds its own queries and those of packs that share it; each wrapping pack adds its own."""
         shared = self.queries + tuple(q for ask in self.packs if ask.content_ids is None for q in ask.queries)
         wrapped = [
-            (ask.content_ids, ask.images, ask.queries) for ask in self.packs if ask.content_ids is not None
+            (ask.content_ids, ask.media, ask.queries) for ask in self.packs if ask.content_ids is not None
         ]
-        return [(self.content_ids, self.images, shared), *wrapped]
+        return [(self.content_ids, self.media, shared), *wrapped]
 
 
 @dataclass(frozen=True)
@@ -390,13 +390,13 @@ def _media_pieces(text: str, parts: tuple, param: str, formats: MediaFormats) ->
     """Every text piece _content_ids tokenises for a content with media: the text around them, the gap text,
     videos' time stamps."""
     stamps = [s for p in parts if isinstance(p, ContentVideo) for s in p.stamps()]
-    return [*_image_pieces(text, parts, param), formats.gap, *stamps]
+    return [*_text_pieces(text, parts, param), formats.gap, *stamps]
 
 
-def _image_pieces(text: str, images: tuple[ContentImage, ...], param: str) -> list[str]:
-    """A content's text around its images: len(images) + 1 pieces."""
+def _text_pieces(text: str, parts: tuple, param: str) -> list[str]:
+    """A content's text around its media parts: len(parts) + 1 pieces."""
     pieces = text.split(IMAGE_MARK)
-    if len(pieces) != len(images) + 1:  # the mark was in the text itself
+    if len(pieces) != len(parts) + 1:  # the mark was in the text itself
         raise _invalid(
             param, "U+FFFC (the object replacement character) cannot be in the text of a content with images"
         )
@@ -405,22 +405,22 @@ def _image_pieces(text: str, images: tuple[ContentImage, ...], param: str) -> li
 
 def _content_ids(
     text: str,
-    images: tuple,
+    parts: tuple,
     ids: Mapping[str, tuple[int, ...]],
     formats: MediaFormats,
     param: str,
-) -> tuple[tuple[int, ...], Images]:
+) -> tuple[tuple[int, ...], MediaParts]:
     """The tokens of a content's text with each media part's where it stands, as the model's processor
     expands it: an image as the image format's gap text, its start token, its soft tokens, its end token,
     the gap text; an audio clip as its start token, its soft tokens, its end token; a video as each frame's
     time stamp (ContentVideo.stamps), start token, video tokens and end token. Each piece of text is
     tokenised on its own."""
-    if not images:
+    if not parts:
         return ids[text], ()
     out, placed = [], []
-    pieces = _image_pieces(text, images, param)
+    pieces = _text_pieces(text, parts, param)
     gap = ids[formats.gap] if formats.gap else ()
-    for piece, part in zip(pieces, images, strict=False):
+    for piece, part in zip(pieces, parts, strict=False):
         if isinstance(part, ContentVideo):
             out += ids[piece]
             fmt = formats.video
@@ -719,7 +719,7 @@ class _Input:
     text: str
     param: str  # its messages field
     specs: list[_Spec]
-    images: tuple = ()  # its media parts (ContentImage, ContentAudio), in the order of IMAGE_MARKs in text
+    media: tuple = ()  # its parts (ContentImage, ContentAudio, ContentVideo) in the order of IMAGE_MARKs
 
 
 def _render(messages: list[api.Message], param: str, limits: Limits, formats: MediaFormats):
@@ -780,8 +780,8 @@ def _parse_inputs(
     if request.messages is not None:
         if not shared and not has_packs:
             raise _invalid("scoring.queries", "scoring.queries must not be empty")
-        text, images = _render(request.messages, "messages", limits, formats)
-        inputs = [_Input("0", text, "messages", shared, images)]
+        text, media = _render(request.messages, "messages", limits, formats)
+        inputs = [_Input("0", text, "messages", shared, media)]
         _check_questions(inputs[0], "scoring.queries", limits, pack_questions)
         return inputs
     if len(request.inputs) > limits.max_inputs:
@@ -796,7 +796,7 @@ def _parse_inputs(
         if input_id in input_ids:
             raise _invalid(param + ".id", f"input ids must be unique; {input_id!r} is used twice")
         input_ids.add(input_id)
-        text, images = _render(item.messages, param + ".messages", limits, formats)
+        text, media = _render(item.messages, param + ".messages", limits, formats)
         chosen = shared if item.query_ids is None else _choose(item.query_ids, by_id, param + ".query_ids")
         own = (
             []
@@ -805,7 +805,7 @@ def _parse_inputs(
         )
         if not chosen and not own and not has_packs:
             raise _invalid(param, f"{param} has no queries: give scoring.queries or the input's own queries")
-        inputs.append(_Input(input_id, text, param + ".messages", chosen + own, images))
+        inputs.append(_Input(input_id, text, param + ".messages", chosen + own, media))
         _check_questions(inputs[-1], param, limits, pack_questions)
     return inputs
 
@@ -1021,16 +1021,16 @@ def compile_request(
         _check_workload(spec, calibration, scoring)
     wrapped = [p.presentation for p, *_ in asks if not p.presentation.bare]
     texts = {item: [item.text, *(w.prefix + item.text + w.suffix for w in wrapped)] for item in inputs}
-    pieces = [  # an image's content is tokenised piece by piece between its images (_content_ids)
+    pieces = [  # a content with media is tokenised piece by piece between its parts (_content_ids)
         piece
         for item, strings in texts.items()
         for text in strings
-        for piece in (_media_pieces(text, item.images, item.param, formats) if item.images else [text])
+        for piece in (_media_pieces(text, item.media, item.param, formats) if item.media else [text])
     ]
     ids = _tokenize(tokenizer, pieces, used)
 
-    def content(item: _Input, text: str) -> tuple[tuple[int, ...], Images]:
-        return _content_ids(text, item.images, ids, formats, item.param)
+    def content(item: _Input, text: str) -> tuple[tuple[int, ...], MediaParts]:
+        return _content_ids(text, item.media, ids, formats, item.param)
 
     read = {item: content(item, item.text) for item in inputs}
     for item in inputs:

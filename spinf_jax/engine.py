@@ -53,7 +53,7 @@ ENGINE_VERSION = "6"  # bump whenever the engine's arithmetic changes (it is par
 IN_FLIGHT = 2
 # Images and audio clips whose soft tokens the engine keeps (Engine.image_tokens, audio_tokens): 2 MiB an
 # image at Gemma 3 12B's width in bf16.
-IMAGE_CACHE = 256
+MEDIA_CACHE = 256
 KINDS = {"text": 0, "number": 1, "amount": 2}  # rows of the masks table; ENDS is its last row
 ENDS = 3
 # History columns of a decode step: an answer's tokens and its closing text. Fixed per width (one for
@@ -269,8 +269,8 @@ class Engine:
         self._floor_cache: OrderedDict[QuestionKey, np.ndarray] = OrderedDict()
         self._floor_cache_size = floor_cache
         self._floor_lock = threading.Lock()  # read on request threads, written by the engine thread
-        self._images: OrderedDict[str, jax.Array] = OrderedDict()  # image digest → soft tokens (LRU)
-        self._images_lock = threading.Lock()  # requests are planned on several threads
+        self._media: OrderedDict[str, jax.Array] = OrderedDict()  # image digest → soft tokens (LRU)
+        self._media_lock = threading.Lock()  # requests are planned on several threads
         self.on_pass = None  # optional callback(bucket size, seconds) after each pass, for metrics
         # Split once: the compiled step is a plain jax.jit over the weights' state, the module structure is
         # static. (Weights changed on model.decoder after this are not seen by this engine.)
@@ -374,13 +374,13 @@ class Engine:
     ) -> jax.Array:
         """An image's soft tokens [n, hidden] on the device (n: ImageFormat.soft_count), from its file
         (`digest`: media.digest of `data`; `param`: its field, for errors): decoded, preprocessed and read by
-        the tower once per file while it stays among the IMAGE_CACHE most recent. `fmt`: the model's image
+        the tower once per file while it stays among the MEDIA_CACHE most recent. `fmt`: the model's image
         format unless given (a video's frames: its frames(), under digests of their own). Raises
         media.MediaError."""
-        with self._images_lock:
-            if digest in self._images:
-                self._images.move_to_end(digest)
-                return self._images[digest]
+        with self._media_lock:
+            if digest in self._media:
+                self._media.move_to_end(digest)
+                return self._media[digest]
         fmt, image = fmt or self.model.image_format, media.open_image(data, param)
         soft = self.model.soft_tokens(*fmt.tower_inputs(image, param))[: fmt.soft_count(image.size, param)]
         return self._keep(digest, soft)
@@ -388,20 +388,20 @@ class Engine:
     def audio_tokens(self, digest: str, samples: np.ndarray) -> jax.Array:
         """A clip's soft tokens [n, hidden] on the device (n: audio.soft_token_count) from its samples at the
         feature extractor's rate (`digest`: what identifies the clip, its file's): its features and the tower
-        once per clip while it stays among the IMAGE_CACHE most recent media."""
-        with self._images_lock:
-            if digest in self._images:
-                self._images.move_to_end(digest)
-                return self._images[digest]
+        once per clip while it stays among the MEDIA_CACHE most recent media."""
+        with self._media_lock:
+            if digest in self._media:
+                self._media.move_to_end(digest)
+                return self._media[digest]
         cfg = self.model.audio_format.features
         soft = self.model.audio_soft_tokens(*gemma4_audio.pad_frames(*audio.features(samples, cfg)))
         return self._keep(digest, soft[: audio.soft_token_count(len(samples), cfg)])
 
     def _keep(self, digest: str, soft: jax.Array) -> jax.Array:
-        with self._images_lock:
-            self._images[digest] = soft
-            while len(self._images) > IMAGE_CACHE:
-                self._images.popitem(last=False)
+        with self._media_lock:
+            self._media[digest] = soft
+            while len(self._media) > MEDIA_CACHE:
+                self._media.popitem(last=False)
         return soft
 
     def device_bytes_needed(self) -> int:
@@ -427,8 +427,8 @@ class Engine:
         arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)
         recurrent = (p.parent, p.chunks, p.export_rows)
         batch = TreeBatch(*map(jnp.asarray, arrays), *map(jnp.asarray, recurrent))
-        if p.images:  # as many media rows as the pass has rows: one program per bucket
-            batch = batch.with_images(p.images, capacity=p.size)
+        if p.media:  # as many media rows as the pass has rows: one program per bucket
+            batch = batch.with_media(p.media, capacity=p.size)
         return self._weights, batch, (p.read_rows, p.target_read, p.target_token)
 
     def _launch_pass(self, p: Pass) -> tuple:

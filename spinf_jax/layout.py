@@ -94,8 +94,8 @@ class Tree:
     branches: list[tuple[int, int, int, tuple, bool]] = field(default_factory=list)
     slots: list[SlotRow] = field(default_factory=list)
     # Media in the trunk: (the row of its first soft token, its soft tokens [n, hidden] on the device[,
-    # "audio" for an audio clip]) per image or clip (TreeBatch.with_images).
-    images: list[tuple] = field(default_factory=list, compare=False)
+    # "audio" for an audio clip]) per image or clip (TreeBatch.with_media).
+    media: list[tuple] = field(default_factory=list, compare=False)
     _chunks: list | None = field(default=None, repr=False, compare=False)  # recurrent_chunks, once worked out
     _reads: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # row → read index
     _target_index: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
@@ -161,12 +161,12 @@ class Tree:
 
 
 def build_tree(
-    prefix: list[int], content_ids: list[int], questions: list[QuestionKey], images: tuple = ()
+    prefix: list[int], content_ids: list[int], questions: list[QuestionKey], media: tuple = ()
 ) -> Tree:
     """The tree of one content (or, with empty content, of the floor) with its questions, in order; `images`:
     the content's, as (the row of an image's first soft token among content_ids, its soft tokens)."""
     tree = Tree.trunk([*prefix, *content_ids])
-    tree.images = [(len(prefix) + row, *rest) for row, *rest in images]
+    tree.media = [(len(prefix) + row, *rest) for row, *rest in media]
     for q in questions:
         start = len(tree.tokens)
         depth = tree.trunk_tokens + len(q.template_ids)
@@ -191,13 +191,13 @@ def build_tree(
     return tree
 
 
-def read_tree(token_ids: list[int], reads: dict[int, list[int]], images: tuple = ()) -> Tree:
+def read_tree(token_ids: list[int], reads: dict[int, list[int]], media: tuple = ()) -> Tree:
     """A plain sequence (all trunk) read at some of its rows: `reads[row]` lists the tokens whose log-probs
     are wanted after that row. Each read is laid out as a question whose options are single tokens, so
     `Scored.option_logprobs(i)` gives the i-th read's log-probs in the order asked (parity uses this).
-    `images`: as build_tree's, rows counted from the sequence's first."""
+    `media`: as build_tree's, rows counted from the sequence's first."""
     tree = Tree.trunk(token_ids)
-    tree.images = list(images)
+    tree.media = list(media)
     tree.span_end = [len(tree)] * len(tree)
     for row, tokens in reads.items():
         tree.options.append([[tree._read(row, token)] for token in tokens])

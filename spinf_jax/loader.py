@@ -269,7 +269,7 @@ class Model:
 
     def soft_tokens(self, *inputs) -> jax.Array:
         """An image's soft tokens [rows, hidden] from what its tower reads (ImageFormat.tower_inputs): the
-        input embeddings of its rows in a pass (TreeBatch.with_images); the image's are the first
+        input embeddings of its rows in a pass (TreeBatch.with_media); the image's are the first
         ImageFormat.soft_count rows. One image a call, one program."""
         if self.vision is None:
             raise ValueError(f"{self.name} reads no images")

@@ -1,6 +1,7 @@
 """Images in the content: decoding, preprocessing as the model's transformers processor does, and the tokens
 an image stands as in the content. The engine sees token ids plus, for an image's soft-token rows, the tower's
-output (spinf_jax.models.siglip); this layer makes the pixels and the ids.
+output (spinf_jax.models.siglip, gemma4_vision); this layer makes the pixels and the ids (spinf_jax.audio: the
+same for audio).
 
 Preprocessing follows transformers' PIL image processor (`Gemma3ImageProcessorPil`, the one that needs no
 torchvision): RGB, a resize to the tower's square with PIL's filter, then rescale in float64 and normalise in

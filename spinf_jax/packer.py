@@ -146,7 +146,7 @@ class Pass:
     target_offset: list[int]  # per tree: where its targets start in target_read / target_token
     read_offset: list[int]  # per tree: where its reads start in read_rows
     row_offset: list[int]  # per tree: its first row
-    images: list[tuple] = field(default_factory=list)  # (first row, soft tokens, ...), Tree.images
+    media: list[tuple] = field(default_factory=list)  # (first row, soft tokens, ...), Tree.media
 
 
 def _cost(tree: Tree, buckets: Buckets) -> tuple[int, int, int, int, int]:
@@ -159,7 +159,7 @@ def content_trees(
     content_ids: list[int],
     questions: list[QuestionKey],
     buckets: Buckets,
-    images: tuple = (),
+    media: tuple = (),
 ) -> list[tuple[Tree, int]]:
     """The trees of one content (with its images, build_tree's): usually one; more (each with the trunk) when
     its questions overflow the largest bucket. Returns (tree, index of its first question). Depends on the
@@ -188,7 +188,7 @@ def content_trees(
     groups.append(current)
     out, first = [], 0
     for group in groups:
-        tree = build_tree(prefix, content_ids, group, images)
+        tree = build_tree(prefix, content_ids, group, media)
         if not buckets.fits(buckets.largest, *_cost(tree, buckets)):
             raise ValueError(
                 f"a content with one question needs {len(tree)} tokens; largest bucket is {buckets.largest}"
@@ -199,7 +199,7 @@ def content_trees(
 
 
 def read_trees(
-    token_ids: list[int], reads: dict[int, list[int]], buckets: Buckets, images: tuple = ()
+    token_ids: list[int], reads: dict[int, list[int]], buckets: Buckets, media: tuple = ()
 ) -> list[Tree]:
     """The trees that read one sequence (with its images, read_tree's) at the rows of `reads`: usually one;
     more (each the whole sequence, reading a run of the rows) when the reads overflow the largest bucket's
@@ -211,11 +211,11 @@ def read_trees(
     for row, tokens in reads.items():
         wanted = len(set(tokens))
         if group and not buckets.fits(size, len(token_ids), len(group) + 1, targets + wanted):
-            trees.append(read_tree(token_ids, group, images))
+            trees.append(read_tree(token_ids, group, media))
             group, targets = {}, 0
         group[row] = tokens
         targets += wanted
-    return [*trees, read_tree(token_ids, group, images)]
+    return [*trees, read_tree(token_ids, group, media)]
 
 
 def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
@@ -271,7 +271,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
     target_read = np.zeros(buckets.max_targets(size), np.int32)
     target_token = np.zeros(buckets.max_targets(size), np.int32)
     offset, n_reads, n_targets, target_offset, read_offset, row_offset = 0, 0, 0, [], [], []
-    images = []
+    media = []
     for i in tree_ids:
         tree = trees[i]
         n = len(tree)
@@ -299,7 +299,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
         target_offset.append(n_targets)
         read_offset.append(n_reads)
         row_offset.append(offset)
-        images += [(offset + row, *rest) for row, *rest in tree.images]
+        media += [(offset + row, *rest) for row, *rest in tree.media]
         offset += buckets.aligned(n)
         n_reads += len(tree.read_rows)
         n_targets += len(tree.targets)
@@ -322,7 +322,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
         target_offset,
         read_offset,
         row_offset,
-        images,
+        media,
     )
 
 

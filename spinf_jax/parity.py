@@ -86,13 +86,13 @@ def score_reference(engine: Engine, prompts: list[dict]) -> tuple[np.ndarray, np
         ids, top = p["token_ids"], p["top_ids"]
         # Per position: the next token (the top-1 at the end), then the recorded top-k.
         wanted = {t: [ids[t + 1] if t + 1 < len(ids) else top[t][0], *top[t]] for t in range(len(ids))}
-        trees += read_trees(ids, wanted, engine.buckets, _images(engine, p))
+        trees += read_trees(ids, wanted, engine.buckets, _media(engine, p))
     scored = engine.score_trees(trees)
     logprobs = [s.option_logprobs(i) for s in scored for i in range(len(s.tree.read_rows))]
     return np.asarray(logprobs, np.float32), np.concatenate([s.top_tokens for s in scored])
 
 
-def _images(engine: Engine, prompt: dict) -> tuple:
+def _media(engine: Engine, prompt: dict) -> tuple:
     """A recorded prompt's media (files in fixtures/media, named in order: its "images", its "audio" clips,
     or its "video" frames) as read_tree takes them: each at the row after its start token."""
     model = engine.model

@@ -24,9 +24,9 @@ from spinf_jax.calibration import Calibration, Workload, apply_temperature
 from spinf_jax.compiler import (
     CompiledRequest,
     ContentAudio,
-    Images,
     Limits,
     MediaFormats,
+    MediaParts,
     PackAsk,
     Query,
     Question,
@@ -106,9 +106,9 @@ class Scorer:
         prefix = tokenizer.prefix()
         trees, owners, wanted = [], [], {}
 
-        def read(content_ids, queries, param, images: Images = ()) -> list[Tree]:
+        def read(content_ids, queries, param, parts: MediaParts = ()) -> list[Tree]:
             keys = [q.key for query in queries for q in query.questions]
-            soft = tuple((row, *self._soft_tokens(part, formats)) for row, part in images)
+            soft = tuple((row, *self._soft_tokens(part, formats)) for row, part in parts)
             try:
                 chunks = content_trees(prefix, list(content_ids), keys, self.engine.buckets, soft)
             except ValueError as e:
@@ -116,8 +116,8 @@ class Scorer:
             return budget.spend(tree for tree, _ in chunks)
 
         for c, content in enumerate(request.contents):
-            for part, (content_ids, images, queries) in enumerate(content.reads()):
-                chunks = read(content_ids, queries, content.param, images)
+            for part, (content_ids, parts, queries) in enumerate(content.reads()):
+                chunks = read(content_ids, queries, content.param, parts)
                 trees += chunks
                 owners += [(c, part)] * len(chunks)
                 if part == 0:  # a wrapping pack's floor is its wrapper around empty content (below)
@@ -137,7 +137,7 @@ class Scorer:
         return Plan(request, trees, owners, missing, floors, pack_floors)
 
     def _soft_tokens(self, part, formats: MediaFormats) -> tuple:
-        """A media part's soft tokens, as a tree's media entry after its row (TreeBatch.with_images)."""
+        """A media part's soft tokens, as a tree's media entry after its row (TreeBatch.with_media)."""
         if isinstance(part, ContentAudio):
             return self.engine.audio_tokens(part.digest, part.samples), "audio"
         try:
@@ -163,9 +163,9 @@ class Scorer:
             query_tokens=sum(len(t) - t.trunk_tokens for t in by_content),
             floor_tokens=sum(len(t) for t in plan.trees[n:]),
             decode_tokens=sum(result.decode_tokens for result in scored),
-            image_tokens=sum(m[1].shape[0] for t in by_content for m in t.images if m[2:] == ()),
-            audio_tokens=sum(m[1].shape[0] for t in by_content for m in t.images if m[2:] == ("audio",)),
-            video_tokens=sum(m[1].shape[0] for t in by_content for m in t.images if m[2:] == ("video",)),
+            image_tokens=sum(m[1].shape[0] for t in by_content for m in t.media if m[2:] == ()),
+            audio_tokens=sum(m[1].shape[0] for t in by_content for m in t.media if m[2:] == ("audio",)),
+            video_tokens=sum(m[1].shape[0] for t in by_content for m in t.media if m[2:] == ("video",)),
         )
         per_read: list[list[list]] = [[[] for _ in c.reads()] for c in plan.request.contents]
         for (c, part), result in zip(plan.owners, scored[:n], strict=True):

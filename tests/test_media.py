@@ -112,7 +112,7 @@ def _prompt_logprobs(m, prompt: dict, both_ways: bool = True) -> np.ndarray:
         images.append((row, soft))
     batch = TreeBatch.sequence(ids)
     if images:
-        batch = batch.with_images(images)
+        batch = batch.with_media(images)
     if not both_ways:
         batch = dataclasses.replace(batch, reach=None)
     targets = jnp.asarray(ids[1:])[:, None]

@@ -55,7 +55,7 @@ class TreeBatch:
     parent: jax.Array  # [T] int32, -1 where a row has none (or [0])
     chunks: jax.Array  # [N, 4] int32: first row, rows, start, keep (or [0, 4])
     export_rows: jax.Array  # [X] int32: the extraction slots' rows, whose recurrent states decoding reads
-    # Passes with images only (None in the others, whose programs stay as they were):
+    # Passes with media only (None in the others, whose programs stay as they were):
     reach: jax.Array | None = None  # [T] int32: a row sees keys j < reach (i + 1; an image's rows: its end)
     media: jax.Array | None = None  # [M, hidden]: soft tokens, the input embeddings of rows `media_row`
     media_row: jax.Array | None = None  # [T] int32: each row's row of `media`, -1 for its token's embedding
@@ -97,25 +97,25 @@ class TreeBatch:
         )
         return batch, starts
 
-    def with_images(self, images: list[tuple], capacity: int | None = None) -> "TreeBatch":
+    def with_media(self, media: list[tuple], capacity: int | None = None) -> "TreeBatch":
         """This pass with media in it: (the row of an image's or clip's first soft token, its soft tokens
         [n, hidden][, "audio" for a clip, "video" for a video's frame]) each. An image's (or frame's) rows see
         the whole image; a clip's attend causally (as transformers masks Gemma 4's audio). `capacity`: rows of
-        `media` (their count by default)."""
+        the batch's `media` (their count by default)."""
         t = self.tokens.shape[0]
         reach = np.arange(1, t + 1, dtype=np.int32)
         media_row = np.full(t, -1, np.int32)
         taken = 0
-        for row, soft, *kind in images:
+        for row, soft, *kind in media:
             n = soft.shape[0]
             if kind != ["audio"]:
                 reach[row : row + n] = row + n
             media_row[row : row + n] = np.arange(taken, taken + n)
             taken += n
-        media = jnp.concatenate([soft for _, soft, *_ in images])
-        media = jnp.pad(media, ((0, (capacity or taken) - taken), (0, 0)))
+        rows = jnp.concatenate([soft for _, soft, *_ in media])
+        rows = jnp.pad(rows, ((0, (capacity or taken) - taken), (0, 0)))
         return dataclasses.replace(
-            self, reach=jnp.asarray(reach), media=media, media_row=jnp.asarray(media_row)
+            self, reach=jnp.asarray(reach), media=rows, media_row=jnp.asarray(media_row)
         )
 
     @staticmethod

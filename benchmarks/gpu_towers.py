@@ -44,7 +44,7 @@ from spinf_jax.quant import Precision
 
 MEDIA = Path(__file__).resolve().parent.parent / "fixtures" / "media"
 IMAGES = ["gradient.png", "stripes.png", "grey.png"]
-CLIPS = ["tone.wav", "click-8bit.wav", "voice.mp3"]
+CLIPS = ["tone.wav", "click-8bit.wav", "noise-8k.wav"]  # wav: the device image has no mp3 decoder
 TEXT_HIDDEN = 2560  # Gemma 3 4B's and Gemma 4 E4B's text width
 
 
@@ -128,8 +128,9 @@ def gemma4(dev: str):
     randomize(tower, 0)
     randomize(embed, 1)
     with torch.no_grad():
-        tower.std_bias.normal_(0, 1, generator=torch.Generator().manual_seed(2))
-        tower.std_scale.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(3))
+        g = torch.Generator().manual_seed(2)  # drawn on the CPU, as randomize's
+        tower.std_bias.copy_(torch.randn(tower.std_bias.shape, generator=g))
+        tower.std_scale.copy_(torch.empty(tower.std_scale.shape).uniform_(0.5, 1.5, generator=g))
     fmt = PatchedImages(3, 1 / 255, 0, 0, 0, "", 16, 3, 280)
     processor = Gemma4ImageProcessorPil(max_soft_tokens=280)
 
@@ -234,6 +235,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default=".")
+    parser.add_argument("--towers", default="gemma3-siglip-so400m,gemma4-vision,gemma4-audio")
     args = parser.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     results = {"device": str(jax.devices()[0]), "torch_device": dev, "jax": jax.__version__}
@@ -242,7 +244,8 @@ def main() -> None:
         ("gemma4-vision", gemma4),
         ("gemma4-audio", gemma4_audio_tower),
     ]
-    results["towers"] = [measure(name, build, dev) for name, build in towers]
+    chosen = args.towers.split(",")
+    results["towers"] = [measure(name, build, dev) for name, build in towers if name in chosen]
     (Path(args.out) / "gpu_towers.json").write_text(json.dumps(results, indent=1) + "\n")
     print("| tower | precision | max abs diff vs transformers fp32 | largest value | ms per image or clip |")
     print("|---|---|---|---|---|")

@@ -81,20 +81,17 @@ class Limits:
     # video processor samples 32 a video), each an image file within max_image_bytes.
     max_video_frames_per_content: int = 32
 
-    def reported(self, reads_images: bool, reads_audio: bool = False) -> dict[str, int | float | bool]:
-        """The limits a server reports (/health): those on images and audio only for a model that reads
-        them."""
-        skip = (() if reads_images else IMAGE_LIMITS) + (() if reads_audio else AUDIO_LIMITS)
+    def reported(self, formats: "MediaFormats | None" = None) -> dict[str, int | float | bool]:
+        """The limits a server reports (/health): those on images, audio and video only for a model that
+        reads them (`formats`: how it does; None: text only)."""
+        formats = formats or MediaFormats()
+        skip = (() if formats.image else IMAGE_LIMITS) + (() if formats.audio else AUDIO_LIMITS)
+        skip += () if formats.video else VIDEO_LIMITS
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
-IMAGE_LIMITS = (
-    "max_images_per_content",
-    "max_image_bytes",
-    "allow_remote_media",
-    "remote_media_timeout_s",
-    "max_video_frames_per_content",
-)
+IMAGE_LIMITS = ("max_images_per_content", "max_image_bytes", "allow_remote_media", "remote_media_timeout_s")
+VIDEO_LIMITS = ("max_video_frames_per_content",)
 AUDIO_LIMITS = ("max_audio_seconds_per_content", "max_audio_bytes")
 
 

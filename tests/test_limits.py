@@ -8,7 +8,7 @@ import pytest
 from litestar.testing import TestClient
 
 from spinf_jax.api import ScoreRequest
-from spinf_jax.compiler import AUDIO_LIMITS, IMAGE_LIMITS, Limits, compile_request
+from spinf_jax.compiler import AUDIO_LIMITS, IMAGE_LIMITS, VIDEO_LIMITS, Limits, compile_request
 from spinf_jax.decoding import convert
 from spinf_jax.engine import Engine
 from spinf_jax.errors import ScoringError
@@ -127,14 +127,14 @@ def client(gemma_engine):
 
 def test_every_reported_limit_is_tested_at_its_edge(client, gemma_engine):
     reported = client.get("/health").json()["limits"]
-    assert reported == {**LIMITS.reported(reads_images=False), "max_body_bytes": MAX_BODY}
+    assert reported == {**LIMITS.reported(), "max_body_bytes": MAX_BODY}
     tested = {*_edges(gemma_engine.model.tokenizer), "max_request_tokens", "max_body_bytes"}
     assert set(reported) == tested
 
 
 # The image and audio limits are tested at their edges on models that read them (tests/test_media.py,
 # tests/test_audio.py).
-MEDIA_LIMITS = (*IMAGE_LIMITS, *AUDIO_LIMITS)
+MEDIA_LIMITS = (*IMAGE_LIMITS, *AUDIO_LIMITS, *VIDEO_LIMITS)
 COMPILE_TIME = [
     f.name for f in dataclasses.fields(Limits) if f.name not in ("max_request_tokens", *MEDIA_LIMITS)
 ]

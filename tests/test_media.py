@@ -255,6 +255,9 @@ def test_the_server_reads_images_and_says_what_is_wrong_with_them(family):
         assert _logprobs(again, "a") == _logprobs(ok.json(), "a")
         limits = httpx.get(f"{url}/health").json()["limits"]
         assert limits["max_images_per_content"] == 16 and limits["max_image_bytes"] == 1_500_000
+        # Gemma 4 reads video as frames, Gemma 3 does not; neither of these hears audio.
+        assert ("max_video_frames_per_content" in limits) == (family == "gemma4-vision")
+        assert "max_audio_seconds_per_content" not in limits
         assert limits["allow_remote_media"] is False and limits["remote_media_timeout_s"] == 10
         with Client(url) as client:  # the typed client reads the flag and the seconds among the numbers
             assert client.health().limits["allow_remote_media"] is False

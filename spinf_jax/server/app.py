@@ -20,6 +20,7 @@ from litestar.params import JSONBody
 from litestar.types import ASGIApp
 
 from spinf_jax import api
+from spinf_jax.compiler import MediaFormats
 from spinf_jax.decisions import Decider
 from spinf_jax.decoding import decode
 from spinf_jax.engine import Engine
@@ -351,7 +352,7 @@ async def health(request: Request) -> Response[api.Health]:
         body.buckets = list(engine.buckets.sizes)
         body.limits = {
             **server.scorer.limits.reported(
-                engine.model.image_format is not None, engine.model.audio_format is not None
+                MediaFormats(engine.model.image_format, engine.model.audio_format)
             ),
             "max_body_bytes": MAX_BODY,
         }

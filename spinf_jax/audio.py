@@ -158,7 +158,8 @@ def soft_token_count(num_samples: int, cfg: FeatureConfig | None = None, cap: in
 
 def decode(data: bytes, fmt: str, param: str) -> tuple[np.ndarray, int]:
     """A clip's bytes → (samples [n] float32 mono in [-1, 1), its sample rate). fmt: "wav" (PCM of 8, 16, 24
-    or 32 bits; 8-bit is unsigned, centred on 128; the others signed, scaled by 2^(bits - 1)) or "mp3"
+    or 32 bits; 8-bit is unsigned, centred on 128; the others signed, scaled by 2^(bits - 1); or IEEE float of
+    32 or 64 bits) or "mp3"
     (decoded by miniaudio's dr_mp3 at the file's own rate). Channels are averaged. MediaError("invalid_media")
     if the data is not such a clip or holds no samples."""
     if fmt == "wav":
@@ -175,12 +176,14 @@ def decode(data: bytes, fmt: str, param: str) -> tuple[np.ndarray, int]:
 
 
 def _decode_wav(data: bytes, param: str) -> tuple[np.ndarray, int]:
+    if _wav_format(data) in (WAVE_FLOAT, (WAVE_EXTENSIBLE, WAVE_FLOAT)):
+        return _decode_float_wav(data, param)
     try:
         with wave.open(io.BytesIO(data)) as f:
             width, channels, rate = f.getsampwidth(), f.getnchannels(), f.getframerate()
             raw = f.readframes(f.getnframes())
     except (wave.Error, EOFError, ValueError) as e:  # wave raises all three on malformed headers
-        raise MediaError("invalid_media", f"{param}: not a PCM WAV file ({e})") from None
+        raise MediaError("invalid_media", f"{param}: not a PCM or float WAV file ({e})") from None
     if channels < 1 or rate < 1:
         raise MediaError("invalid_media", f"{param}: a WAV file of {channels} channels at {rate} Hz")
     raw = raw[: len(raw) // (width * channels) * width * channels]  # a truncated last frame is dropped
@@ -196,6 +199,42 @@ def _decode_wav(data: bytes, param: str) -> tuple[np.ndarray, int]:
     else:
         raise MediaError("invalid_media", f"{param}: {8 * width}-bit WAV samples are not supported")
     return _mono(values.reshape(-1, channels)), rate
+
+
+# WAV format tags (the fmt chunk's first field; an extensible file names its own in its sub-format's first two
+# bytes). Python's `wave` reads PCM only; float WAV, as numpy and most audio tools write it, goes to dr_wav.
+WAVE_FLOAT, WAVE_EXTENSIBLE = 3, 0xFFFE
+
+
+def _wav_format(data: bytes):
+    """A RIFF/WAVE file's format tag (for an extensible file: (0xFFFE, its sub-format's tag)); None if the
+    bytes are not such a file or have no fmt chunk."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
+    at = 12
+    while at + 8 <= len(data):
+        kind, size = data[at : at + 4], int.from_bytes(data[at + 4 : at + 8], "little")
+        body = data[at + 8 : at + 8 + size]
+        if kind == b"fmt " and len(body) >= 2:
+            tag = int.from_bytes(body[:2], "little")
+            if tag == WAVE_EXTENSIBLE and len(body) >= 26:
+                return tag, int.from_bytes(body[24:26], "little")
+            return tag
+        at += 8 + size + size % 2  # chunks are padded to an even size
+    return None
+
+
+def _decode_float_wav(data: bytes, param: str) -> tuple[np.ndarray, int]:
+    """A WAV file of 32- or 64-bit IEEE float samples, decoded by miniaudio's dr_wav (32-bit values as they
+    are, 64-bit rounded to float32)."""
+    import miniaudio
+
+    try:
+        sound = miniaudio.wav_read_f32(data)
+    except miniaudio.DecodeError as e:
+        raise MediaError("invalid_media", f"{param}: not a float WAV file miniaudio can read ({e})") from None
+    samples = np.asarray(sound.samples, np.float32).reshape(-1, max(sound.nchannels, 1))
+    return _mono(samples), sound.sample_rate
 
 
 def _decode_mp3(data: bytes, param: str) -> tuple[np.ndarray, int]:

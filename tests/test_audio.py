@@ -7,6 +7,7 @@ import functools
 import gzip
 import io
 import json
+import struct
 import wave
 from pathlib import Path
 
@@ -222,13 +223,30 @@ def test_corrupt_audio_is_invalid_media(data, fmt):
     assert raised.value.code == "invalid_media"
 
 
-def test_float_wav_is_invalid_media():
-    """IEEE-float WAV (format 3) is not PCM: stdlib wave refuses it, and so do we, with a reason."""
-    data = bytearray(_wav(np.zeros(4, "<i4").tobytes(), 4))
-    data[20:22] = (3).to_bytes(2, "little")  # the fmt chunk's format tag
-    with pytest.raises(MediaError, match="not a PCM WAV") as raised:
-        audio.decode(bytes(data), "wav", "clip")
-    assert raised.value.code == "invalid_media"
+def _float_wav(values: np.ndarray, extensible: bool = False, channels: int = 1) -> bytes:
+    """A 32-bit IEEE float WAV file written by hand (stdlib wave writes PCM only): format tag 3, or 0xFFFE
+    with the float sub-format."""
+    data = values.astype("<f4").tobytes()
+    rate, block = 16_000, 4 * channels
+    fmt = struct.pack("<HHIIHH", 0xFFFE if extensible else 3, channels, rate, rate * block, block, 32)
+    if extensible:  # cbSize, valid bits, channel mask, the sub-format GUID (KSDATAFORMAT_SUBTYPE_IEEE_FLOAT)
+        guid = bytes.fromhex("0300000000001000800000aa00389b71")
+        fmt += struct.pack("<HHI", 22, 32, 0) + guid
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
+
+
+@pytest.mark.parametrize("extensible", [False, True])
+def test_float_wav_is_read_as_it_is(extensible):
+    """IEEE-float WAV (format 3, or extensible with the float sub-format), which stdlib wave refuses: its
+    values come back unchanged, channels averaged."""
+    values = np.array([-1.0, -0.25, 0.0, 0.123456789, 0.75], np.float32)
+    samples, rate = audio.decode(_float_wav(values, extensible), "wav", "clip")
+    assert rate == 16_000
+    np.testing.assert_array_equal(samples, values)
+    stereo = np.array([[0.5, -0.5], [0.25, 0.75]], np.float32)
+    samples, _ = audio.decode(_float_wav(stereo.ravel(), channels=2), "wav", "clip")
+    np.testing.assert_array_equal(samples, stereo.mean(axis=1))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import jax
 import numpy as np
+import openai
 import pytest
 from flax import nnx
 
@@ -421,6 +422,12 @@ def test_the_server_hears_audio():
         bad = {**body, "inputs": [audio_input("a", "Listen:", audio_part("tone.wav", "ogg"))]}
         answer = httpx.post(f"{url}/v1/score", json=bad)
         assert answer.status_code == 400 and answer.json()["error"]["code"] == "unsupported_media"
+        # The OpenAI SDK sends the same clip as an input_audio part of a chat message.
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        messages = body["inputs"][0]["messages"]
+        scoring = {"scoring": body["scoring"]}
+        reply = client.chat.completions.create(model=str(FOLDER), messages=messages, extra_body=scoring)
+        assert reply.model_extra["results"][0]["queries"] == ok.json()["results"][0]["queries"]
         limits = httpx.get(f"{url}/health").json()["limits"]
         assert limits["max_audio_seconds_per_content"] == 120 and limits["max_audio_bytes"] == 1_500_000
         assert "max_images_per_content" not in limits

@@ -121,12 +121,7 @@ def gemma4(dev: str):
         num_key_value_heads=12, head_dim=64, patch_size=16, pooling_kernel_size=3, standardize=True,
     )  # fmt: skip
     vision._attn_implementation = "eager"
-    text = Gemma4TextConfig(hidden_size=TEXT_HIDDEN)
-    config = {"model_type": "gemma4", "vision_config": vision.to_dict(), "text_config": text.to_dict()}
-    tower = Gemma4VisionModel(vision).eval().to(dev)
-    embed = Gemma4MultimodalEmbedder(vision, text).eval().to(dev)
-    randomize(tower, 0)
-    randomize(embed, 1)
+    config, tower, embed = _gemma4_tower(vision, Gemma4VisionModel, "vision", dev)
     with torch.no_grad():
         g = torch.Generator().manual_seed(2)  # drawn on the CPU, as randomize's
         tower.std_bias.copy_(torch.randn(tower.std_bias.shape, generator=g))
@@ -147,12 +142,7 @@ def gemma4(dev: str):
 def gemma4_audio_tower(dev: str):
     heard = Gemma4AudioConfig()
     heard._attn_implementation = "sdpa"
-    text = Gemma4TextConfig(hidden_size=TEXT_HIDDEN)
-    config = {"model_type": "gemma4", "audio_config": heard.to_dict(), "text_config": text.to_dict()}
-    tower = Gemma4AudioModel(heard).eval().to(dev)
-    embed = Gemma4MultimodalEmbedder(heard, text).eval().to(dev)
-    randomize(tower, 0)
-    randomize(embed, 1)
+    config, tower, embed = _gemma4_tower(heard, Gemma4AudioModel, "audio", dev)
     with torch.no_grad():  # clip bounds wide enough to clip rarely (transformers' defaults are infinite)
         for name, b in tower.named_buffers():
             if name.endswith(("_min", "_max")):
@@ -174,6 +164,18 @@ def gemma4_audio_tower(dev: str):
 
     parts = {"model.audio_tower.": tower, "model.embed_audio.": embed}
     return config, parts, make, cases
+
+
+def _gemma4_tower(tower_config, tower_class, kind: str, dev: str):
+    """A Gemma 4 tower and its embedder into a TEXT_HIDDEN-wide decoder, seeded: (the config.json dict our
+    loader reads, the tower, the embedder)."""
+    text = Gemma4TextConfig(hidden_size=TEXT_HIDDEN)
+    config = {"model_type": "gemma4", f"{kind}_config": tower_config.to_dict(), "text_config": text.to_dict()}
+    tower = tower_class(tower_config).eval().to(dev)
+    embed = Gemma4MultimodalEmbedder(tower_config, text).eval().to(dev)
+    randomize(tower, 0)
+    randomize(embed, 1)
+    return config, tower, embed
 
 
 def _tower(family, config: dict):

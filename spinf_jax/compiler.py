@@ -150,7 +150,7 @@ class ContentImage:
 
     @cached_property
     def digest(self) -> str:
-        return ("frame:" if self.frame else "") + media.digest(self.data)
+        return media.digest(self.data)
 
     def soft_count(self, fmt: ImageFormat) -> int:
         """How many soft tokens the model reads this image as (from its size: its header is read here, the
@@ -174,7 +174,7 @@ class ContentAudio:
 
     @cached_property
     def digest(self) -> str:
-        return "audio:" + media.digest(self.data)
+        return media.digest(self.data)
 
     @cached_property
     def samples(self) -> np.ndarray:
@@ -726,16 +726,15 @@ def _render(messages: list[api.Message], param: str, limits: Limits, formats: Me
     images = [p for p in found if isinstance(p, ContentImage)]
     clips = [p for p in found if isinstance(p, ContentAudio)]
     frames = [f for p in found if isinstance(p, ContentVideo) for f in p.frames]
-    images += frames  # each within max_image_bytes
-    sized = [("an image", p, limits.max_image_bytes) for p in images]
+    sized = [("an image", p, limits.max_image_bytes) for p in images + frames]  # a frame is an image file
     for kind, part, most in sized + [("an audio clip", p, limits.max_audio_bytes) for p in clips]:
         if len(part.data) > most:
             message = f"{kind} of {len(part.data):,} bytes; at most {most:,}"
             raise ScoringError("invalid_media", message, part.param)
-    if len(images) - len(frames) > limits.max_images_per_content:
+    if len(images) > limits.max_images_per_content:
         raise ScoringError(
             "too_many_images",
-            f"{len(images) - len(frames)} images in one content; at most {limits.max_images_per_content}",
+            f"{len(images)} images in one content; at most {limits.max_images_per_content}",
             param,
         )
     if len(frames) > limits.max_video_frames_per_content:

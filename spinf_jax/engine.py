@@ -269,7 +269,8 @@ class Engine:
         self._floor_cache: OrderedDict[QuestionKey, np.ndarray] = OrderedDict()
         self._floor_cache_size = floor_cache
         self._floor_lock = threading.Lock()  # read on request threads, written by the engine thread
-        self._media: OrderedDict[str, jax.Array] = OrderedDict()  # image digest → soft tokens (LRU)
+        # (a file's digest, how it is read: an ImageFormat or "audio") → its soft tokens (LRU)
+        self._media: OrderedDict[tuple, jax.Array] = OrderedDict()
         self._media_lock = threading.Lock()  # requests are planned on several threads
         self.on_pass = None  # optional callback(bucket size, seconds) after each pass, for metrics
         # Split once: the compiled step is a plain jax.jit over the weights' state, the module structure is
@@ -374,32 +375,41 @@ class Engine:
     ) -> jax.Array:
         """An image's soft tokens [n, hidden] on the device (n: ImageFormat.soft_count), from its file
         (`digest`: media.digest of `data`; `param`: its field, for errors): decoded, preprocessed and read by
-        the tower once per file while it stays among the MEDIA_CACHE most recent. `fmt`: the model's image
-        format unless given (a video's frames: its frames(), under digests of their own). Raises
-        media.MediaError."""
-        with self._media_lock:
-            if digest in self._media:
-                self._media.move_to_end(digest)
-                return self._media[digest]
-        fmt, image = fmt or self.model.image_format, media.open_image(data, param)
-        soft = self.model.soft_tokens(*fmt.tower_inputs(image, param))[: fmt.soft_count(image.size, param)]
-        return self._keep(digest, soft)
+        the tower once per file and format while it stays among the MEDIA_CACHE most recent. `fmt`: the
+        model's image format unless given (a video's frames: its frames()). Raises media.MediaError."""
+        fmt = fmt or self.model.image_format
+
+        def read() -> jax.Array:
+            image = media.open_image(data, param)
+            return self.model.soft_tokens(*fmt.tower_inputs(image, param))[
+                : fmt.soft_count(image.size, param)
+            ]
+
+        return self._cached((digest, fmt), read)
 
     def audio_tokens(self, digest: str, samples: np.ndarray) -> jax.Array:
         """A clip's soft tokens [n, hidden] on the device (n: audio.soft_token_count) from its samples at the
         feature extractor's rate (`digest`: what identifies the clip, its file's): its features and the tower
         once per clip while it stays among the MEDIA_CACHE most recent media."""
-        with self._media_lock:
-            if digest in self._media:
-                self._media.move_to_end(digest)
-                return self._media[digest]
         cfg = self.model.audio_format.features
-        soft = self.model.audio_soft_tokens(*gemma4_audio.pad_frames(*audio.features(samples, cfg)))
-        return self._keep(digest, soft[: audio.soft_token_count(len(samples), cfg)])
 
-    def _keep(self, digest: str, soft: jax.Array) -> jax.Array:
+        def read() -> jax.Array:
+            soft = self.model.audio_soft_tokens(*gemma4_audio.pad_frames(*audio.features(samples, cfg)))
+            return soft[: audio.soft_token_count(len(samples), cfg)]
+
+        return self._cached((digest, "audio"), read)
+
+    def _cached(self, key: tuple, read) -> jax.Array:
+        """The soft tokens under `key` in the media cache, or read() kept there (the oldest dropped past
+        MEDIA_CACHE). The lock is not held while read() runs: two threads may read one file at once, and
+        both get the same bits."""
         with self._media_lock:
-            self._media[digest] = soft
+            if key in self._media:
+                self._media.move_to_end(key)
+                return self._media[key]
+        soft = read()
+        with self._media_lock:
+            self._media[key] = soft
             while len(self._media) > MEDIA_CACHE:
                 self._media.popitem(last=False)
         return soft

@@ -108,9 +108,7 @@ def _media(engine: Engine, prompt: dict) -> tuple:
             entries.append((row, engine.image_tokens(media.digest(data), data, name)))
         elif kind == "video":
             frames = model.image_format.frames()
-            entries.append(
-                (row, engine.image_tokens("frame:" + media.digest(data), data, name, frames), "video")
-            )
+            entries.append((row, engine.image_tokens(media.digest(data), data, name, frames), "video"))
         else:
             samples = audio.read(data, Path(name).suffix[1:], name, model.audio_format.features)
             entries.append((row, engine.audio_tokens(media.digest(data), samples), "audio"))

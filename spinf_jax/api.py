@@ -565,8 +565,21 @@ class PackList(Struct, kw_only=True):
     data: list[PackInfo]
 
 
+class ReplicaHealth(Struct, kw_only=True, omit_defaults=True):
+    """One replica of `serve --devices` (docs/scale-out.md)."""
+
+    index: int
+    device: Annotated[str, Meta(description="platform:id, as gpu:0 or cpu:1")]
+    state: Literal["starting", "ready", "down", "failed"]
+    in_flight: Annotated[int, Meta(description="requests the front has sent it and not had answered")]
+    restarts: Annotated[int, Meta(description="times its process exited and was started again")]
+    error: str | None = None
+    memory: DeviceMemory | None = None
+
+
 class Health(Struct, kw_only=True, omit_defaults=True):
-    """The server's state; 503 until the model is loaded and compiled."""
+    """The server's state; 503 until the model is loaded and compiled (with `serve --devices`, 200 once one
+    replica is ready)."""
 
     status: Literal["ok", "warming_up", "error"]
     ready: bool
@@ -585,6 +598,11 @@ class Health(Struct, kw_only=True, omit_defaults=True):
     packs: Annotated[list[PackInfo] | None, Meta(description="the prompt packs requests may name")] = None
     workloads: Annotated[
         dict[str, float] | None, Meta(description="the calibration file's workloads and their temperatures")
+    ] = None
+    device: Annotated[str | None, Meta(description="the device this server scores on, as gpu:0")] = None
+    replicas: Annotated[
+        list[ReplicaHealth] | None,
+        Meta(description="with `serve --devices`: each replica; `memory` is theirs"),
     ] = None
 
 

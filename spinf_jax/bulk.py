@@ -14,7 +14,9 @@ import json
 import re
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,14 +87,24 @@ def read_inputs(path: Path, bad: list[str], on_bad=lambda: None) -> Iterator[tup
             yield n, entry
 
 
-def run(source: Path, out: Path, template: dict, backend: Backend, batch: int = 64, progress=None) -> Summary:
+def run(
+    source: Path,
+    out: Path,
+    template: dict,
+    backend: Backend,
+    batch: int = 64,
+    progress=None,
+    in_flight: int = 1,
+) -> Summary:
     """Score every content of `source` not already answered in `out` for this request (`template`: scoring,
-    packs, model), appending to `out`."""
+    packs, model), appending to `out`. With `in_flight` > 1 that many batches are asked at once (a server,
+    or the replicas of `serve --devices`); they are written in input order all the same."""
     summary, start = Summary(), time.perf_counter()
     done = finished(out)
-    with out.open("a") as sink:
+    skipped = (lambda: progress.update(1)) if progress is not None else (lambda: None)
+    with out.open("a") as sink, ThreadPoolExecutor(in_flight, thread_name_prefix="spinf-bulk") as pool:
+        asked: deque[Future[Batch]] = deque()
         pending: list[tuple[int, dict, str]] = []
-        skipped = (lambda: progress.update(1)) if progress is not None else (lambda: None)
         for n, entry in read_inputs(source, summary.bad, skipped):
             digest = request_sha256(entry, template)
             if (entry["id"], digest) in done:
@@ -101,16 +113,40 @@ def run(source: Path, out: Path, template: dict, backend: Backend, batch: int = 
                 continue
             pending.append((n, entry, digest))
             if len(pending) == batch:
-                _score(pending, template, backend, sink, summary, progress)
+                asked.append(pool.submit(_score, pending, template, backend))
                 pending = []
+                if len(asked) == in_flight:  # the oldest is written before another is asked
+                    asked.popleft().result().write(sink, summary, progress)
         if pending:
-            _score(pending, template, backend, sink, summary, progress)
+            asked.append(pool.submit(_score, pending, template, backend))
+        while asked:
+            asked.popleft().result().write(sink, summary, progress)
     summary.seconds = time.perf_counter() - start
     return summary
 
 
-def _score(pending, template: dict, backend: Backend, sink, summary: Summary, progress) -> None:
-    """One batch: scored, written and flushed; an input the API refuses is reported and the rest retried."""
+@dataclass
+class Batch:
+    """What a batch came to: its output lines, in input order, and the lines the API refused."""
+
+    lines: list[str] = field(default_factory=list)
+    bad: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def write(self, sink, summary: Summary, progress) -> None:
+        sink.writelines(self.lines)
+        sink.flush()
+        summary.scored += len(self.lines)
+        summary.bad += self.bad
+        summary.prompt_tokens += self.prompt_tokens
+        if progress is not None:
+            progress.update(len(self.lines) + len(self.bad))
+
+
+def _score(pending, template: dict, backend: Backend, into: Batch | None = None) -> Batch:
+    """One batch scored; an input the API refuses is reported and the rest asked again."""
+    into = Batch() if into is None else into
+    pending = list(pending)
     while pending:
         body = {**template, "inputs": [entry for _, entry, _ in pending]}
         try:
@@ -119,26 +155,20 @@ def _score(pending, template: dict, backend: Backend, sink, summary: Summary, pr
             if getattr(e, "code", None) == "too_many_tokens" and len(pending) > 1:
                 # The batch as a whole is over the request's token limit; each half may not be.
                 half = len(pending) // 2
-                _score(pending[:half], template, backend, sink, summary, progress)
-                _score(pending[half:], template, backend, sink, summary, progress)
-                return
+                _score(pending[:half], template, backend, into)
+                return _score(pending[half:], template, backend, into)
             which = _INPUT_PARAM.match(getattr(e, "param", None) or "")
             if which is None:
                 raise
             n, _, _ = pending.pop(int(which.group(1)))
-            summary.bad.append(f"line {n}: {getattr(e, 'code', 'error')}: {getattr(e, 'message', e)}")
-            if progress is not None:
-                progress.update(1)
+            into.bad.append(f"line {n}: {getattr(e, 'code', 'error')}: {getattr(e, 'message', e)}")
             continue
         for (_, _, digest), result in zip(pending, response.results, strict=True):
             row = msgspec.to_builtins(result) | {"request_sha256": digest}
-            sink.write(json.dumps(row, ensure_ascii=False) + "\n")
-        sink.flush()
-        summary.scored += len(pending)
-        summary.prompt_tokens += response.usage.prompt_tokens
-        if progress is not None:
-            progress.update(len(pending))
-        return
+            into.lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+        into.prompt_tokens += response.usage.prompt_tokens
+        return into
+    return into
 
 
 def in_process(scorer) -> Backend:

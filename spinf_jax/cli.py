@@ -45,10 +45,15 @@ def _serve(args) -> int:
         print(f"spinf-jax serve: the settings are valid: {launch.summary()}")
         return 0
 
+    if launch.devices is not None:
+        return _serve_replicas(args, launch)
+
+    from spinf_jax.replicas import pin_this_process
     from spinf_jax.server.memory import cap_device_memory
 
     if launch.settings.device_memory_cap_gib is not None:
         cap_device_memory(launch.settings.device_memory_cap_gib)  # before JAX starts its backend
+    pin_this_process(os.environ)
 
     import uvicorn
 
@@ -59,6 +64,34 @@ def _serve(args) -> int:
     if launch.compile_cache is not None:
         use_compilation_cache(launch.compile_cache)
     app = create_app(launch.settings)
+    uvicorn.Server(uvicorn_config(app, launch.host, launch.port, launch.log_level)).run()
+    return 0
+
+
+def _serve_replicas(args, launch) -> int:
+    """`serve --devices`: a replica process per device behind the front (spinf_jax.server.front)."""
+    import uvicorn
+
+    from spinf_jax import replicas
+    from spinf_jax.server.front import create_front
+    from spinf_jax.server.protocol import uvicorn_config
+
+    try:
+        devices = replicas.probe(os.environ)
+        count = replicas.how_many(launch.devices, devices)
+    except (RuntimeError, ValueError) as e:
+        print(f"spinf-jax serve: {e}", file=sys.stderr)
+        return 2
+    keys = launch.settings.api_keys
+    pool = replicas.Replicas.spawn(
+        replicas.serve_args(args.argv[1:]),
+        devices,
+        count,
+        os.environ,
+        headers={"authorization": f"Bearer {keys[0]}"} if keys else None,
+        stagger=launch.compile_cache is not None,
+    )
+    app = create_front(launch.settings, pool, devices.platform)
     uvicorn.Server(uvicorn_config(app, launch.host, launch.port, launch.log_level)).run()
     return 0
 
@@ -240,6 +273,23 @@ def _score(args) -> int:
     if not source.is_file():
         print(f"spinf-jax score: {source}: no such file", file=sys.stderr)
         return 2
+    if args.buckets is not None:
+        from spinf_jax.server.settings import SettingsError, read_buckets
+
+        try:
+            args.buckets = read_buckets(args.buckets)
+        except SettingsError as e:
+            print(f"spinf-jax score: {e}", file=sys.stderr)
+            return 2
+    if args.url and args.devices:
+        print("spinf-jax score: --url or --devices, not both", file=sys.stderr)
+        return 2
+    if args.devices:
+        return _score_on_replicas(args, source, out, template)
+    if args.in_flight is not None and not args.url:
+        print("spinf-jax score: --in-flight: only with --url or --devices (one engine scores one batch at a "
+              "time)", file=sys.stderr)  # fmt: skip
+        return 2
     if args.url:
         from spinf_jax.client import Client
 
@@ -249,17 +299,57 @@ def _score(args) -> int:
     else:
         from spinf_jax.engine import Engine
         from spinf_jax.loader import DEFAULT_MODEL
+        from spinf_jax.packer import Buckets
         from spinf_jax.packs.compiled import compile_packs
         from spinf_jax.packs.loader import load_packs
         from spinf_jax.scoring import Scorer
 
-        engine = Engine.load(args.model or DEFAULT_MODEL, args.precision)
+        buckets = {"buckets": Buckets(args.buckets)} if args.buckets else {}
+        engine = Engine.load(args.model or DEFAULT_MODEL, args.precision, **buckets)
         packs = compile_packs(
             load_packs(args.packs, official=not args.no_official_packs), engine.model.tokenizer
         )
         backend = bulk.in_process(Scorer(engine, packs=packs))
     with tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
-        summary = bulk.run(source, out, template, backend, args.batch, bar)
+        summary = bulk.run(source, out, template, backend, args.batch, bar, args.in_flight or 1)
+    bulk.report(summary)
+    return 0
+
+
+def _score_on_replicas(args, source: Path, out: Path, template: dict) -> int:
+    """`score --devices`: the replicas of `serve --devices`, and their front on a thread of this process;
+    batches go through it as through --url, two in flight per replica unless --in-flight says."""
+    from tqdm import tqdm
+
+    from spinf_jax import bulk, replicas
+    from spinf_jax.client import Client
+    from spinf_jax.loader import DEFAULT_MODEL
+    from spinf_jax.server.front import create_front
+    from spinf_jax.server.protocol import in_thread
+    from spinf_jax.server.settings import Settings
+
+    try:
+        devices = replicas.probe(os.environ)
+        count = replicas.how_many(args.devices, devices)
+    except (RuntimeError, ValueError) as e:
+        print(f"spinf-jax score: {e}", file=sys.stderr)
+        return 2
+    model = args.model or DEFAULT_MODEL
+    serve = [model, "--log-level", "warning"] + (["--precision", args.precision] if args.precision else [])
+    serve += [flag for source in args.packs for flag in ("--packs", source)]
+    serve += ["--no-official-packs"] if args.no_official_packs else []
+    serve += ["--buckets", ",".join(map(str, args.buckets))] if args.buckets else []
+    pool = replicas.Replicas.spawn(serve, devices, count, os.environ)
+    settings = Settings(model, args.precision or "bf16")
+    with in_thread(create_front(settings, pool, devices.platform)) as url:
+        try:
+            pool.wait_ready(timeout=3600)
+        except RuntimeError as e:
+            print(f"spinf-jax score: {e}", file=sys.stderr)
+            return 1
+        with Client(url) as client, tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
+            in_flight = args.in_flight or 2 * count
+            summary = bulk.run(source, out, template, client.score, args.batch, bar, in_flight)
     bulk.report(summary)
     return 0
 
@@ -330,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         help="serve the scoring API (/v1/score, /v1/chat/completions, /v1/models)",
         description="Every flag is checked before the model loads; any problem stops the start, with exit "
         "status 2 (docs/configuration.md).",
+        allow_abbrev=False,  # --devices passes the flags on to each replica as given, less its own
     )
     # Numbers and choices are read as text and checked by server.settings: it reports every problem at once.
     p.add_argument(
@@ -368,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--compile-cache",
-        default="~/.cache/spinf-jax/xla",
-        help="folder for compiled bucket programs, reused across restarts ('none' to disable)",
+        help="folder for compiled bucket programs, reused across restarts and shared by replicas ('none' to "
+        "disable; default $JAX_COMPILATION_CACHE_DIR, else ~/.cache/spinf-jax/xla)",
     )
     _pack_sources(p)
     p.add_argument(
@@ -397,6 +488,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="with --allow-remote-media: the longest one image may take to fetch (default 10)",
     )
+    p.add_argument(
+        "--devices",
+        metavar="all|N",
+        help="a replica process per device (all, or the first N), behind one front on --port; each scores as "
+        "one device does (docs/scale-out.md)",
+    )
     p.add_argument("--log-level", default="info", metavar="{critical,error,warning,info,debug,trace}")
     p.add_argument("--check", action="store_true", help="check the settings, then exit: 0 if valid, else 2")
     p.set_defaults(run=_serve)
@@ -421,6 +518,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--precision", choices=["fp32", "bf16", "fp8", "int8"], help=PRECISION_DEFAULT)
     p.add_argument("--batch", type=int, default=64, help="contents per request (and per flush)")
+    p.add_argument(
+        "--devices",
+        metavar="all|N",
+        help="score on a replica per device (all, or the first N), as `serve --devices` (docs/scale-out.md)",
+    )
+    p.add_argument("--buckets", help="pass sizes in tokens, comma-separated (default by backend)")
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        metavar="N",
+        help="batches asked at once, written in input order (default 1; with --devices, 2 per device)",
+    )
     _pack_sources(p)
     p.set_defaults(run=_score)
 
@@ -500,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         q.set_defaults(run=_packs)
 
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `serve --devices` passes it on
     return args.run(args)
 
 

@@ -77,6 +77,13 @@ def decode_shapes() -> tuple[int, tuple[int, ...]]:
     return (8, (16, 32, 64)) if jax.default_backend() == "cpu" else (1024, (1024,))
 
 
+def scoring_device() -> jax.Device:
+    """The device the passes run on: jax's default device where one is set (a replica of `serve --devices`
+    is pinned to its own), else the first."""
+    chosen = jax.config.jax_default_device
+    return chosen if isinstance(chosen, jax.Device) else jax.devices()[0]
+
+
 def use_compilation_cache(path) -> None:
     """Keep compiled bucket programs, and XLA's GPU autotuning results with them, on disk. A restart then
     reuses both: it starts sooner, and it cannot autotune its way to different kernels (and other bits)."""
@@ -261,7 +268,7 @@ class Engine:
                         ENGINE_VERSION,
                         jax.__version__,
                         jax.default_backend(),
-                        jax.devices()[0].device_kind,  # another GPU model may compile other kernels
+                        scoring_device().device_kind,  # another GPU model may compile other kernels
                     ]
                 ).encode()
             ).hexdigest()[:16]

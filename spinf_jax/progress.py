@@ -48,6 +48,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+class ReplicaTag(logging.Filter):
+    """Adds `replica=N` to each line of a `serve --devices` replica: they share the front's stream."""
+
+    def __init__(self, replica: str):
+        super().__init__()
+        self.replica = replica
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.fields = {**getattr(record, "fields", {}), "replica": self.replica}
+        record.msg = f"{record.msg} replica={self.replica}"
+        return True
+
+
 class KeyValueFormatter(logging.Formatter):
     """`INFO:     12:00:01 event key=value ...` (uvicorn's prefix, so its lines and ours line up); fields
     without a value are left out."""

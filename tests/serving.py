@@ -1,40 +1,22 @@
 """What the server tests share: a test app served on a free port, and waiting for one to finish loading."""
 
 import contextlib
-import socket
-import threading
 import time
 
 import httpx
-import uvicorn
+
+from spinf_jax.server.protocol import in_thread
 
 
 @contextlib.contextmanager
 def serving(app):
     """uvicorn serving `app` on 127.0.0.1 in a thread, once it answers /health with 200: its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with in_thread(app) as url:
         deadline = time.monotonic() + 120
-        while not _ready(url):
+        while httpx.get(f"{url}/health").status_code != 200:
             assert time.monotonic() < deadline, "the server did not become ready"
             time.sleep(0.2)
         yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health").status_code == 200
-    except httpx.TransportError:  # not listening yet
-        return False
 
 
 def loaded(client, timeout: float = 300) -> dict:

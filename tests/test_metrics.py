@@ -176,7 +176,7 @@ def test_queue_depth_is_read_from_the_runner_at_scrape_time():
 )
 def test_device_memory_only_where_the_backend_keeps_statistics(monkeypatch, stats):
     device = SimpleNamespace(memory_stats=lambda: stats)
-    monkeypatch.setattr(metrics_module.jax, "devices", lambda: [device])
+    monkeypatch.setattr(metrics_module, "scoring_device", lambda: device)
     samples = Scrape(Metrics().exposition("")[0].decode())
     exported = {name for name in samples.names() if name.startswith("spinf_device_memory")}
     if stats is None:

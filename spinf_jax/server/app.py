@@ -5,7 +5,6 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from importlib.metadata import version
 
@@ -23,7 +22,7 @@ from spinf_jax import api
 from spinf_jax.compiler import MediaFormats
 from spinf_jax.decisions import Decider
 from spinf_jax.decoding import decode
-from spinf_jax.engine import Engine
+from spinf_jax.engine import Engine, scoring_device
 from spinf_jax.loader import random_model
 from spinf_jax.packer import Buckets, default_sizes
 from spinf_jax.packs.compiled import CompiledPack, compile_packs
@@ -31,7 +30,13 @@ from spinf_jax.packs.loader import describe
 from spinf_jax.progress import PROGRESS, Progress, log
 from spinf_jax.scoring import Scorer
 from spinf_jax.server.auth import ApiKeys
-from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError, error_responses, request_id
+from spinf_jax.server.errors import (
+    EXCEPTION_HANDLERS,
+    ApiError,
+    error_responses,
+    request_id,
+    unless_client_leaves,
+)
 from spinf_jax.server.memory import check_fits
 from spinf_jax.server.metrics import DISCONNECTED, UNMATCHED, Metrics
 from spinf_jax.server.runner import QueueFull, Runner
@@ -124,7 +129,7 @@ class Server:
             raise _queue_full(self.runner) from None
         served["tokens"] = ticket.tokens
         try:
-            return await _answer_unless_client_leaves(request, ticket)
+            return await unless_client_leaves(request, asyncio.wrap_future(ticket))
         finally:
             served.update(queue_ms=_ms(ticket.queue_s), pass_ms=_ms(ticket.pass_s))
 
@@ -198,29 +203,6 @@ def _queue_has_room(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     runner = _server(connection).runner
     if runner is not None and runner.full:
         raise _queue_full(runner)
-
-
-class ClientGone(Exception):
-    """The client hung up before its answer: nothing to send (answered 499 for the logs)."""
-
-
-async def _answer_unless_client_leaves(request: Request, future: Future) -> api.ScoreResponse:
-    """The plan's response; if the client hangs up first, the plan is cancelled (the runner drops it unless
-    its pass has already started: abandoned work no longer delays everyone else) and ClientGone is raised."""
-
-    async def client_left():
-        # The body has been read, so the next ASGI message is http.disconnect: when the client hangs up,
-        # or after the response has been sent.
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    answer, left = asyncio.wrap_future(future), asyncio.ensure_future(client_left())
-    await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
-    if answer.done():
-        left.cancel()
-        return answer.result()
-    future.cancel()
-    raise ClientGone
 
 
 # What the scoring routes share: the key checked first, then the queue, then the body; every error
@@ -359,7 +341,9 @@ async def health(request: Request) -> Response[api.Health]:
         body.packs = [describe(p.loaded) for p in server.packs.values()]
         calibration = server.settings.calibration
         body.workloads = {n: w.temperature for n, w in calibration.workloads.items()} if calibration else None
-        stats = jax.devices()[0].memory_stats() or {}  # None on the CPU
+        device = scoring_device()
+        body.device = f"{device.platform}:{device.id}"
+        stats = device.memory_stats() or {}  # None on the CPU
         body.memory = api.DeviceMemory(
             needed_bytes=server.memory_needed,
             in_use_bytes=stats.get("bytes_in_use"),
@@ -434,7 +418,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
         route_handlers=[score, chat_completions, decide, decide_shared, models, packs, health, metrics],
         guards=[_metrics_behind_key] if settings.metrics_auth else [],
         request_class=ApiRequest,
-        exception_handlers={**EXCEPTION_HANDLERS, ClientGone: lambda *_: Response(b"", status_code=499)},
+        exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=MAX_BODY,
         openapi_config=OpenAPIConfig(
             title="spinf-jax scoring API",

@@ -2,7 +2,9 @@
 id is the request's x-request-id header and its log line's (server/app.py), and the code is noted for that
 line too."""
 
+import asyncio
 import uuid
+from collections.abc import Awaitable
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
@@ -97,6 +99,29 @@ def handle_unexpected(request: Request, exc: Exception) -> Response:
     return envelope(request, *_coded("internal_error"), f"the server failed to answer: {type(exc).__name__}")
 
 
+class ClientGone(Exception):
+    """The client hung up before its answer: nothing to send (answered 499 for the logs)."""
+
+
+async def unless_client_leaves[T](request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; if the client hangs up first, `work` is cancelled (a plan the runner has not started
+    is dropped, a replica's request is closed: abandoned work delays nobody) and ClientGone is raised."""
+
+    async def client_left():
+        # The body has been read, so the next ASGI message is http.disconnect: when the client hangs up,
+        # or after the response has been sent.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    answer, left = asyncio.ensure_future(work), asyncio.ensure_future(client_left())
+    await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
+    if answer.done():
+        left.cancel()
+        return answer.result()
+    answer.cancel()
+    raise ClientGone
+
+
 def _coded(code: str) -> tuple[int, str]:
     return CODES[code][0], code
 
@@ -104,5 +129,6 @@ def _coded(code: str) -> tuple[int, str]:
 EXCEPTION_HANDLERS = {
     ScoringError: handle_scoring_error,
     HTTPException: handle_http_exception,
+    ClientGone: lambda *_: Response(b"", status_code=499),
     Exception: handle_unexpected,
 }

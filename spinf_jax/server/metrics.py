@@ -1,9 +1,9 @@
 """The server's Prometheus metrics (docs/metrics.md lists them). Each app keeps its own registry, so several
 apps in one process (the tests) count apart; the process and Python collectors are registered on it too."""
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
-import jax
+import httpx
 import msgspec
 from prometheus_client import (
     CollectorRegistry,
@@ -15,9 +15,12 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import GaugeMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from spinf_jax.api import ScoreResponse
+from spinf_jax.engine import scoring_device
+from spinf_jax.replicas import Replicas
 
 # A request takes from about a millisecond (/health) to a minute (a full queue ahead of a large job).
 REQUEST_SECONDS_BUCKETS = (
@@ -43,7 +46,7 @@ class DeviceMemory:
     }
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = scoring_device().memory_stats() or {}
         for key, (name, documentation) in self.STATS.items():
             if key in stats:
                 yield GaugeMetricFamily(name, documentation, value=stats[key])
@@ -111,5 +114,57 @@ class Metrics:
     def exposition(self, accept: str) -> tuple[bytes, str]:
         """The registry in the format the scraper asks for (Prometheus text by default, or OpenMetrics), and
         its content type."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
+
+
+class ReplicaMetrics:
+    """`serve --devices`' front: every replica's metrics, scraped when the front is, each sample labelled with
+    its `replica`; and the front's own view of each replica (ready, in flight, restarts). A replica that does
+    not answer is left out of that scrape, and its spinf_replica_ready says why."""
+
+    SCRAPE_TIMEOUT_S = 5.0
+
+    def __init__(self, replicas: Replicas, keys: Sequence[str]):
+        self.replicas = replicas
+        self.headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for replica in self.replicas.members:
+            if replica.state != "ready":
+                continue
+            try:
+                text = httpx.get(
+                    f"{replica.url}/metrics", headers=self.headers, timeout=self.SCRAPE_TIMEOUT_S
+                ).text
+            except httpx.HTTPError:
+                continue
+            for family in text_string_to_metric_families(text):
+                into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    labels = {**sample.labels, "replica": str(replica.index)}
+                    into.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
+        yield from merged.values()
+        labels = ["replica", "device"]
+        ready = GaugeMetricFamily("spinf_replica_ready", "1 while the replica takes requests.", labels=labels)
+        in_flight = GaugeMetricFamily(
+            "spinf_replica_in_flight", "Requests sent to the replica and not yet answered.", labels=labels
+        )
+        restarts = CounterMetricFamily(
+            "spinf_replica_restarts",
+            "Times the replica's process exited and was started again.",
+            labels=labels,
+        )
+        for replica in self.replicas.members:
+            which = [str(replica.index), replica.device]
+            ready.add_metric(which, float(replica.state == "ready"))
+            in_flight.add_metric(which, replica.in_flight)
+            restarts.add_metric(which, replica.restarts)
+        yield from (ready, in_flight, restarts)
+
+    def exposition(self, accept: str) -> tuple[bytes, str]:
         encode, content_type = choose_encoder(accept)
         return encode(self.registry), content_type

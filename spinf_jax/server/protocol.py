@@ -1,13 +1,19 @@
 """How uvicorn serves the app: its HTTP/1.1 protocol with a deadline on request headers, the timeouts that
 keep slow or idle clients from holding connections, and the logs."""
 
+import contextlib
 import copy
+import os
+import threading
+import time
+from collections.abc import Iterator
 
 import uvicorn
 from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from spinf_jax.progress import formatter
+from spinf_jax.progress import ReplicaTag, formatter
+from spinf_jax.replicas import REPLICA_VARIABLE, free_port
 
 # From a connection's start, or the end of its previous response, to the end of a request's headers.
 HEADER_TIMEOUT_S = 10.0
@@ -57,7 +63,7 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicor
 
 def _log_config(log_level: str) -> dict:
     """uvicorn's logging, and spinf_jax's loggers (requests, loading and compiling) on stderr at the same
-    level, as spinf_jax.progress formats them for that stream."""
+    level, as spinf_jax.progress formats them for that stream; a replica's lines say which it is."""
     config = copy.deepcopy(LOGGING_CONFIG)
     config["formatters"]["spinf_jax"] = {"()": formatter, "stream": "ext://sys.stderr"}
     config["handlers"]["spinf_jax"] = {
@@ -65,9 +71,35 @@ def _log_config(log_level: str) -> dict:
         "class": "logging.StreamHandler",
         "stream": "ext://sys.stderr",
     }
+    if REPLICA_VARIABLE in os.environ:
+        config.setdefault("filters", {})["replica"] = {
+            "()": ReplicaTag,
+            "replica": os.environ[REPLICA_VARIABLE],
+        }
+        config["handlers"]["spinf_jax"]["filters"] = ["replica"]
     config["loggers"]["spinf_jax"] = {
         "handlers": ["spinf_jax"],
         "level": LOG_LEVELS[log_level],
         "propagate": False,
     }
     return config
+
+
+@contextlib.contextmanager
+def in_thread(app, log_level: str = "warning", timeout: float = 60) -> Iterator[str]:
+    """uvicorn serving `app` on 127.0.0.1 on a thread of this process while the block runs: its URL, once it
+    listens (the app may still be loading: /health says)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, name="spinf-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start on port {port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=120)

@@ -25,6 +25,9 @@ from spinf_jax.quantized import folder_precision
 PRECISIONS = ("bf16", "fp8", "int8", "fp32")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 KEY_VARIABLE = "SPINF_API_KEY"
+COMPILE_CACHE = (
+    "~/.cache/spinf-jax/xla"  # --compile-cache's default, unless $JAX_COMPILATION_CACHE_DIR is set
+)
 REMOTE_MEDIA_TIMEOUT = "10"  # seconds one remote image may take: --remote-media-timeout's default
 
 
@@ -72,6 +75,7 @@ class Launch:
     port: int
     log_level: str
     compile_cache: Path | None  # None: compiled programs are not kept across restarts
+    devices: str | None = None  # "all" or a count: a replica per device behind a front (spinf_jax.replicas)
 
     def summary(self) -> str:
         """What will be served, in one line; it tells how many keys there are, never what they are."""
@@ -80,8 +84,9 @@ class Launch:
         model = (
             f"made-up weights at {s.random_weights}, {s.model}'s tokenizer" if s.random_weights else s.model
         )
+        replicas = f", a replica on each of {self.devices} device(s)" if self.devices else ""
         return (
-            f"{model} ({s.precision}) on {self.host}:{self.port}; {keys}, /metrics "
+            f"{model} ({s.precision}) on {self.host}:{self.port}{replicas}; {keys}, /metrics "
             f"{'behind the key' if s.metrics_auth else 'open'}; buckets {s.buckets or 'by backend'}; "
             f"queue {s.max_queue}, delay {s.max_delay_ms:g} ms; device memory "
             f"{f'at most {cap:g} GiB' if cap else 'uncapped'}; packs {', '.join(s.packs or {}) or 'none'}; "
@@ -133,7 +138,8 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
     port = _whole("--port", args.port, problems, low=1, high=65535)
     if args.log_level.lower() not in LOG_LEVELS:
         problems.append(f"--log-level: {args.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-    cache = None if args.compile_cache == "none" else Path(args.compile_cache).expanduser()
+    cache_flag = args.compile_cache or environ.get("JAX_COMPILATION_CACHE_DIR") or COMPILE_CACHE
+    cache = None if cache_flag == "none" else Path(cache_flag).expanduser()
     if cache is not None and cache.exists() and not cache.is_dir():
         problems.append(f"--compile-cache: {str(cache)!r} is not a folder")
     random_weights = None if args.random_weights is None else Path(args.random_weights).expanduser()
@@ -150,6 +156,9 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
             calibration = load_calibration(args.calibration)
         except CalibrationError as e:
             problems.append(f"--calibration: {e}")
+    devices = args.devices
+    if devices is not None and devices != "all":
+        _whole("--devices", devices, problems, low=1)
     if problems:
         raise SettingsError(problems)
     settings = Settings(
@@ -169,7 +178,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         warm_extraction=args.warm_extraction,
         remote_media_timeout_s=remote_s if args.allow_remote_media else None,
     )
-    return Launch(settings, args.host, port, args.log_level.lower(), cache)
+    return Launch(settings, args.host, port, args.log_level.lower(), cache, devices)
 
 
 def _model_problem(spec: str) -> str | None:
@@ -267,6 +276,15 @@ def _number(flag: str, text: str, problems: list[str], unit: str, *, zero: bool)
             f"{flag}: must be a number of {unit}, {'0 or more' if zero else 'above 0'}, not {text!r}"
         )
     return value
+
+
+def read_buckets(text: str) -> tuple[int, ...]:
+    """A --buckets flag's sizes; SettingsError if they are not a set the engine would take."""
+    problems: list[str] = []
+    sizes = _buckets(text, problems)
+    if problems:
+        raise SettingsError(problems)
+    return sizes
 
 
 def _buckets(text: str, problems: list[str]) -> tuple[int, ...] | None:

@@ -38,8 +38,9 @@ class Summary:
 
     def line(self) -> str:
         rate = self.scored / self.seconds if self.seconds else 0.0
+        tokens = f", {self.prompt_tokens:,} tokens" if self.prompt_tokens else ""  # Ray's rows do not say
         return (
-            f"scored {self.scored:,} in {self.seconds:.1f} s ({rate:,.1f}/s, {self.prompt_tokens:,} tokens); "
+            f"scored {self.scored:,} in {self.seconds:.1f} s ({rate:,.1f}/s{tokens}); "
             f"{self.already_done:,} already in the output; {len(self.bad):,} bad lines skipped"
         )
 
@@ -76,15 +77,23 @@ def read_inputs(path: Path, bad: list[str], on_bad=lambda: None) -> Iterator[tup
                 bad.append(f"line {n}: not JSON ({e})")
                 on_bad()
                 continue
-            if not isinstance(item, dict) or ("text" in item) == ("messages" in item):
+            entry = entry_of(item, default_id=str(n))
+            if entry is None:
                 bad.append(f"line {n}: an object with text or messages")
                 on_bad()
                 continue
-            entry = {k: v for k, v in item.items() if k not in ("text", "id")}
-            if "text" in item:
-                entry["messages"] = [{"role": "user", "content": item["text"]}]
-            entry["id"] = str(item.get("id", n))
             yield n, entry
+
+
+def entry_of(item, default_id: str) -> dict | None:
+    """An input line's (or a dataset row's) `inputs` entry; None unless it has text or messages, not both."""
+    if not isinstance(item, dict) or ("text" in item) == ("messages" in item):
+        return None
+    entry = {k: v for k, v in item.items() if k not in ("text", "id")}
+    if "text" in item:
+        entry["messages"] = [{"role": "user", "content": item["text"]}]
+    entry["id"] = str(item.get("id", default_id))
+    return entry
 
 
 def run(
@@ -113,12 +122,12 @@ def run(
                 continue
             pending.append((n, entry, digest))
             if len(pending) == batch:
-                asked.append(pool.submit(_score, pending, template, backend))
+                asked.append(pool.submit(score_batch, pending, template, backend))
                 pending = []
                 if len(asked) == in_flight:  # the oldest is written before another is asked
                     asked.popleft().result().write(sink, summary, progress)
         if pending:
-            asked.append(pool.submit(_score, pending, template, backend))
+            asked.append(pool.submit(score_batch, pending, template, backend))
         while asked:
             asked.popleft().result().write(sink, summary, progress)
     summary.seconds = time.perf_counter() - start
@@ -127,24 +136,26 @@ def run(
 
 @dataclass
 class Batch:
-    """What a batch came to: its output lines, in input order, and the lines the API refused."""
+    """What a batch came to, by the number of each input (its line): its output line, or why the API refused
+    it."""
 
-    lines: list[str] = field(default_factory=list)
-    bad: list[str] = field(default_factory=list)
+    lines: dict[int, str] = field(default_factory=dict)
+    bad: dict[int, str] = field(default_factory=dict)
     prompt_tokens: int = 0
 
     def write(self, sink, summary: Summary, progress) -> None:
-        sink.writelines(self.lines)
+        sink.writelines(line for _, line in sorted(self.lines.items()))
         sink.flush()
         summary.scored += len(self.lines)
-        summary.bad += self.bad
+        summary.bad += [f"line {n}: {why}" for n, why in sorted(self.bad.items())]
         summary.prompt_tokens += self.prompt_tokens
         if progress is not None:
             progress.update(len(self.lines) + len(self.bad))
 
 
-def _score(pending, template: dict, backend: Backend, into: Batch | None = None) -> Batch:
-    """One batch scored; an input the API refuses is reported and the rest asked again."""
+def score_batch(pending, template: dict, backend: Backend, into: Batch | None = None) -> Batch:
+    """One batch of (number, entry, request hash) scored; an input the API refuses is reported and the rest
+    asked again."""
     into = Batch() if into is None else into
     pending = list(pending)
     while pending:
@@ -155,17 +166,17 @@ def _score(pending, template: dict, backend: Backend, into: Batch | None = None)
             if getattr(e, "code", None) == "too_many_tokens" and len(pending) > 1:
                 # The batch as a whole is over the request's token limit; each half may not be.
                 half = len(pending) // 2
-                _score(pending[:half], template, backend, into)
-                return _score(pending[half:], template, backend, into)
+                score_batch(pending[:half], template, backend, into)
+                return score_batch(pending[half:], template, backend, into)
             which = _INPUT_PARAM.match(getattr(e, "param", None) or "")
             if which is None:
                 raise
             n, _, _ = pending.pop(int(which.group(1)))
-            into.bad.append(f"line {n}: {getattr(e, 'code', 'error')}: {getattr(e, 'message', e)}")
+            into.bad[n] = f"{getattr(e, 'code', 'error')}: {getattr(e, 'message', e)}"
             continue
-        for (_, _, digest), result in zip(pending, response.results, strict=True):
+        for (n, _, digest), result in zip(pending, response.results, strict=True):
             row = msgspec.to_builtins(result) | {"request_sha256": digest}
-            into.lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+            into.lines[n] = json.dumps(row, ensure_ascii=False) + "\n"
         into.prompt_tokens += response.usage.prompt_tokens
         return into
     return into

@@ -281,9 +281,12 @@ def _score(args) -> int:
         except SettingsError as e:
             print(f"spinf-jax score: {e}", file=sys.stderr)
             return 2
-    if args.url and args.devices:
-        print("spinf-jax score: --url or --devices, not both", file=sys.stderr)
+    if sum(map(bool, (args.url, args.devices and not args.ray, args.ray))) > 1:
+        print("spinf-jax score: one of --url, --devices and --ray (--devices N with --ray: N actors)",
+              file=sys.stderr)  # fmt: skip
         return 2
+    if args.ray:
+        return _score_on_ray(args, source, out, template)
     if args.devices:
         return _score_on_replicas(args, source, out, template)
     if args.in_flight is not None and not args.url:
@@ -312,6 +315,37 @@ def _score(args) -> int:
         backend = bulk.in_process(Scorer(engine, packs=packs))
     with tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
         summary = bulk.run(source, out, template, backend, args.batch, bar, args.in_flight or 1)
+    bulk.report(summary)
+    return 0
+
+
+def _score_on_ray(args, source: Path, out: Path, template: dict) -> int:
+    """`score --ray ADDRESS|local`: Ray Data actors (spinf_jax.ray.Scores), one device each: every GPU of the
+    cluster, or --devices N of them (on a cluster without GPUs, N actors of a CPU each; default 1)."""
+    import ray
+    from tqdm import tqdm
+
+    from spinf_jax import bulk
+    from spinf_jax import ray as spinf_ray
+
+    asked = args.devices or "all"
+    if args.ray == "local":
+        # An actor holds a CPU, and Ray Data's read tasks want one of their own: on a small machine N CPU
+        # actors would leave the reads none, and the job would wait forever.
+        wanted = 1 + (1 if asked == "all" else int(asked))
+        ray.init(num_cpus=max(os.cpu_count() or 1, wanted), log_to_driver=False)
+    else:
+        ray.init(address=args.ray, log_to_driver=False)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    actors = (gpus or 1) if asked == "all" else int(asked)
+    scores = {"model": args.model, "precision": args.precision, "scoring": template.get("scoring"),
+              "packs": args.pack, "pack_sources": args.packs, "official_packs": not args.no_official_packs,
+              "buckets": args.buckets}  # fmt: skip
+    try:
+        with tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
+            summary = spinf_ray.score_file(source, out, scores, actors, 1 if gpus else 0, args.batch, bar)
+    finally:
+        ray.shutdown()
     bulk.report(summary)
     return 0
 
@@ -524,6 +558,12 @@ def main(argv: list[str] | None = None) -> int:
         help="score on a replica per device (all, or the first N), as `serve --devices` (docs/scale-out.md)",
     )
     p.add_argument("--buckets", help="pass sizes in tokens, comma-separated (default by backend)")
+    p.add_argument(
+        "--ray",
+        metavar="ADDRESS|local",
+        help="score on a Ray cluster (the `ray` extra), an actor per device; the input may be Parquet "
+        "(docs/scale-out.md)",
+    )
     p.add_argument(
         "--in-flight",
         type=int,

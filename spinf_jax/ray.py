@@ -1,0 +1,149 @@
+"""Ray Data (the `ray` extra): spinf-jax as a stage of a Dataset pipeline, an engine per actor, one device
+each, across every GPU of a cluster (docs/scale-out.md).
+
+    import ray
+    from spinf_jax.ray import Scores
+
+    scored = ray.data.read_json("contents.jsonl").map_batches(
+        Scores,
+        fn_constructor_kwargs={"model": "spinf/gemma-3-270m", "scoring": {"queries": [...]}},
+        batch_size=64, concurrency=8, num_gpus=1,
+    )
+
+A row is a content as `spinf-jax score` reads a line: `id`, and `text` or `messages` (with its own `queries`
+or `query_ids` if it has them). Every column comes back, with `result`, the API's result for the content as
+JSON (what `spinf-jax score` writes for it, `request_sha256` included), and `error`, why the API refused the
+row (else null). An actor's scores are the bits one device gives, whatever rows share its batch, so a task
+that Ray retries on another actor, after a node or an actor is lost, writes the same bits.
+"""
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from spinf_jax import bulk
+
+
+class Scores:
+    """The callable class for `Dataset.map_batches`: it loads the model once per actor."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        precision: str | None = None,
+        scoring: dict | list | None = None,
+        packs: Sequence[str] = (),
+        pack_sources: Sequence[str] = (),
+        official_packs: bool = True,
+        buckets: Sequence[int] | None = None,
+    ):
+        from spinf_jax.engine import Engine
+        from spinf_jax.loader import DEFAULT_MODEL
+        from spinf_jax.packer import Buckets
+        from spinf_jax.packs.compiled import compile_packs
+        from spinf_jax.packs.loader import load_packs
+        from spinf_jax.scoring import Scorer
+
+        sizes = {"buckets": Buckets(tuple(buckets))} if buckets else {}
+        engine = Engine.load(model or DEFAULT_MODEL, precision, **sizes)
+        sources = load_packs(list(pack_sources), official=official_packs)
+        compiled = compile_packs(sources, engine.model.tokenizer)
+        self.backend = bulk.in_process(Scorer(engine, packs=compiled))
+        self.template = template(scoring, packs)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        pending, refused = [], {}
+        for n, row in enumerate(rows):
+            entry = bulk.entry_of({k: _plain(v) for k, v in row.items() if v is not None}, default_id="")
+            if entry is None or not entry["id"]:
+                refused[n] = "a row has an id, and text or messages (not both)"
+                continue
+            pending.append((n, entry, bulk.request_sha256(entry, self.template)))
+        done = bulk.score_batch(pending, self.template, self.backend)
+        refused |= done.bad
+        results = [done.lines[n].rstrip("\n") if n in done.lines else None for n in range(len(rows))]
+        errors = [refused.get(n) for n in range(len(rows))]
+        return {**batch, "result": np.array(results, dtype=object), "error": np.array(errors, dtype=object)}
+
+
+def template(scoring: dict | list | None, packs: Sequence[str]) -> dict:
+    """What every content is asked: a scoring block (or its list of queries) and pack ids."""
+    asked = {}
+    if scoring is not None:
+        asked["scoring"] = {"queries": scoring} if isinstance(scoring, list) else scoring
+    if packs:
+        asked["packs"] = [{"id": pack} for pack in packs]
+    return asked
+
+
+def _plain(value):
+    """A value of a numpy batch as JSON-like Python: Arrow's lists and structs come as arrays and dicts."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def score_file(
+    source: Path,
+    out: Path,
+    scores: dict,
+    actors: int,
+    num_gpus: float,
+    batch: int = 64,
+    progress=None,
+) -> bulk.Summary:
+    """`spinf-jax score --ray`: a JSON Lines or Parquet file through `actors` Scores actors (`scores`: their
+    constructor's arguments) on the Ray cluster this process is connected to, into the JSON Lines `out` in
+    input order, as `spinf-jax score` writes it; contents already in `out` for the same request are skipped
+    (as the bulk command does), and rows the API refuses are reported by id."""
+    import ray.data
+
+    summary, start = bulk.Summary(), time.perf_counter()
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True  # the output in input order, as `score` writes it
+    read = ray.data.read_parquet if source.suffix == ".parquet" else ray.data.read_json
+    dataset = read(str(source))
+    asked = template(scores.get("scoring"), scores.get("packs", ()))
+    done = bulk.finished(out)
+    rows = 0
+    if done:  # resuming: what is left (a count reads the input once more, only then)
+        rows = dataset.count()
+        dataset = dataset.filter(_NotDone(done, asked))
+    resources = {"num_gpus": num_gpus} if num_gpus else {"num_cpus": 1}
+    # Blocks of a batch each: a small file is one block, which would keep all but one actor idle; a large one
+    # is split as it streams, not read whole first.
+    dataset = dataset.repartition(target_num_rows_per_block=batch)
+    scored = dataset.map_batches(
+        Scores, fn_constructor_kwargs=scores, batch_size=batch, concurrency=actors, **resources
+    )
+    with out.open("a") as sink:
+        for row in scored.iter_rows():
+            if row["result"] is not None:
+                sink.write(row["result"] + "\n")
+                summary.scored += 1
+            else:
+                summary.bad.append(f"id {row.get('id')!r}: {row['error']}")
+            if progress is not None:
+                progress.update(1)
+        sink.flush()
+    summary.already_done = max(0, rows - summary.scored - len(summary.bad))
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+class _NotDone:
+    """A row filter: contents not already answered for this request (bulk.finished)."""
+
+    def __init__(self, done: set[tuple[str, str]], asked: dict):
+        self.done, self.asked = done, asked
+
+    def __call__(self, row: dict) -> bool:
+        entry = bulk.entry_of({k: _plain(v) for k, v in row.items() if v is not None}, default_id="")
+        return entry is None or (entry["id"], bulk.request_sha256(entry, self.asked)) not in self.done

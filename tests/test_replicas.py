@@ -273,3 +273,16 @@ def test_score_on_every_device_gives_the_bits_of_one(smollm_engine, tmp_path, mo
     assert cli.main(argv) == 0
     bulk.run(source, one, {"scoring": BODY["scoring"]}, bulk.in_process(Scorer(smollm_engine)), batch=3)
     assert out.read_text() == one.read_text()
+
+
+def test_the_kubernetes_manifest_serves_on_one_gpu_and_probes_health():
+    import yaml
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "scale-out.md").read_text()
+    manifest = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    deployment, service = yaml.safe_load_all(manifest)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    assert cli.main(["serve", *container["args"], "--check"]) == 0  # the entrypoint adds `serve`
+    assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["containerPort"] == 8000

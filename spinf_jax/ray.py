@@ -11,10 +11,11 @@ each, across every GPU of a cluster (docs/scale-out.md).
     )
 
 A row is a content as `spinf-jax score` reads a line: `id`, and `text` or `messages` (with its own `queries`
-or `query_ids` if it has them). Every column comes back, with `result`, the API's result for the content as
-JSON (what `spinf-jax score` writes for it, `request_sha256` included), and `error`, why the API refused the
-row (else null). An actor's scores are the bits one device gives, whatever rows share its batch, so a task
-that Ray retries on another actor, after a node or an actor is lost, writes the same bits.
+or `query_ids` if it has them); it may name a `pack` (an id, or a list of ids) to ask besides the stage's.
+Every column comes back, with `result`, the API's result for the content as JSON (what `spinf-jax score`
+writes for it, `request_sha256` included), and `error`, why the API refused the row (else null). An actor's
+scores are the bits one device gives, whatever rows share its batch, so a task that Ray retries on another
+actor, after a node or an actor is lost, writes the same bits.
 """
 
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from spinf_jax import bulk
+from spinf_jax.errors import ScoringError
 
 
 class Scores:
@@ -55,18 +57,41 @@ class Scores:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        pending, refused = [], {}
+        refused: dict[int, str] = {}
+        groups: dict[tuple[str, ...], list[tuple[int, dict]]] = {}  # by the packs a row asks besides
         for n, row in enumerate(rows):
-            entry = bulk.entry_of({k: _plain(v) for k, v in row.items() if v is not None}, default_id="")
+            item = {k: _plain(v) for k, v in row.items() if v is not None}
+            own = _own_packs(item)
+            entry = bulk.entry_of(item, default_id="")
             if entry is None or not entry["id"]:
                 refused[n] = "a row has an id, and text or messages (not both)"
                 continue
-            pending.append((n, entry, bulk.request_sha256(entry, self.template)))
-        done = bulk.score_batch(pending, self.template, self.backend)
+            groups.setdefault(own, []).append((n, entry))
+        done = bulk.Batch()
+        for own, members in groups.items():
+            asked = with_packs(self.template, own)
+            pending = [(n, entry, bulk.request_sha256(entry, asked)) for n, entry in members]
+            try:
+                bulk.score_batch(pending, asked, self.backend, done)
+            except ScoringError as e:  # the request itself (no questions asked, an unknown pack): its rows
+                refused |= {n: f"{e.code}: {e.message}" for n, _ in members}
         refused |= done.bad
         results = [done.lines[n].rstrip("\n") if n in done.lines else None for n in range(len(rows))]
         errors = [refused.get(n) for n in range(len(rows))]
         return {**batch, "result": np.array(results, dtype=object), "error": np.array(errors, dtype=object)}
+
+
+def _own_packs(item: dict) -> tuple[str, ...]:
+    """A row's `pack` (an id, or a list of ids), taken out of it."""
+    own = item.pop("pack", None)
+    return (own,) if isinstance(own, str) else tuple(own or ())
+
+
+def with_packs(asked: dict, own: tuple[str, ...]) -> dict:
+    """The request template with a row's own packs asked too."""
+    if not own:
+        return asked
+    return {**asked, "packs": [*asked.get("packs", []), *({"id": pack} for pack in own)]}
 
 
 def template(scoring: dict | list | None, packs: Sequence[str]) -> dict:
@@ -145,5 +170,7 @@ class _NotDone:
         self.done, self.asked = done, asked
 
     def __call__(self, row: dict) -> bool:
-        entry = bulk.entry_of({k: _plain(v) for k, v in row.items() if v is not None}, default_id="")
-        return entry is None or (entry["id"], bulk.request_sha256(entry, self.asked)) not in self.done
+        item = {k: _plain(v) for k, v in row.items() if v is not None}
+        asked = with_packs(self.asked, _own_packs(item))
+        entry = bulk.entry_of(item, default_id="")
+        return entry is None or (entry["id"], bulk.request_sha256(entry, asked)) not in self.done

@@ -15,6 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from spinf_jax import bulk, cli
+from spinf_jax.packs.compiled import compile_packs
+from spinf_jax.packs.loader import load_packs
 from spinf_jax.ray import Scores, template
 from spinf_jax.scoring import Scorer
 
@@ -47,6 +49,21 @@ def test_a_batch_gets_result_and_error_columns(gemma_engine):
     assert json.loads(out["result"][1])["input_id"] == "b" and out["error"][:2].tolist() == [None, None]
     assert out["result"][2] is None and "has an id" in out["error"][2]
     assert out["result"][3] is None and out["error"][3].startswith("content_too_long")
+
+
+def test_a_row_may_ask_a_pack_of_its_own(gemma_engine):
+    stage = _stage(gemma_engine)
+    packs = compile_packs(load_packs([], official=True), gemma_engine.model.tokenizer)
+    stage.backend, stage.template = bulk.in_process(Scorer(gemma_engine, packs=packs)), template(None, [])
+    batch = {
+        "id": np.array(["a", "b", "c"], dtype=object),
+        "text": np.array(["Great phone, the battery lasts.", "Hello.", "Hi."], dtype=object),
+        "pack": np.array(["spinf/reviews", None, "spinf/nothing"], dtype=object),
+    }
+    out = stage(batch)
+    assert [p["id"] for p in json.loads(out["result"][0])["packs"]] == ["spinf/reviews"]
+    assert out["result"][1] is None and "a scoring block is required" in out["error"][1]  # no questions
+    assert out["result"][2] is None and "spinf/nothing" in out["error"][2]
 
 
 def _actors() -> list[int]:

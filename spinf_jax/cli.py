@@ -48,12 +48,13 @@ def _serve(args) -> int:
     if launch.devices is not None:
         return _serve_replicas(args, launch)
 
-    from spinf_jax.replicas import pin_this_process
+    from spinf_jax.replicas import outlive_no_front, pin_this_process
     from spinf_jax.server.memory import cap_device_memory
 
     if launch.settings.device_memory_cap_gib is not None:
         cap_device_memory(launch.settings.device_memory_cap_gib)  # before JAX starts its backend
     pin_this_process(os.environ)
+    outlive_no_front(os.environ)
 
     import uvicorn
 

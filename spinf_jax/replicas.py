@@ -14,6 +14,8 @@ the others until it is ready.
 import contextlib
 import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -267,6 +269,24 @@ def pin_this_process(environ: Mapping[str, str]) -> None:
         import jax
 
         jax.config.update("jax_default_device", jax.devices()[int(environ[DEVICE_VARIABLE])])
+
+
+def outlive_no_front(environ: Mapping[str, str], every_s: float = 1.0) -> threading.Thread | None:
+    """In a replica: stop (SIGTERM, so requests in flight are answered) once the front that started it is
+    gone. A front killed outright cannot stop its replicas, and they would hold their GPUs and ports."""
+    if REPLICA_VARIABLE not in environ:
+        return None
+    front = os.getppid()
+
+    def watch():
+        while os.getppid() == front:  # an orphan is adopted by another process
+            time.sleep(every_s)
+        log(LOG, "front_gone", logging.WARNING, replica=environ[REPLICA_VARIABLE])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="spinf-front-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def serve_args(argv: Sequence[str], dropped: Sequence[str] = ("--devices", "--host", "--port")) -> list[str]:

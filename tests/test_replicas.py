@@ -163,6 +163,28 @@ def test_batches_in_flight_are_written_in_input_order(gemma_engine, tmp_path):
     assert summary.scored == 9 and many.read_text() == one.read_text()
 
 
+def test_a_replica_stops_once_its_front_is_gone(tmp_path):
+    """A front killed outright (SIGKILL, the OOM killer) cannot stop its replicas: they stop themselves."""
+    pidfile = tmp_path / "pid"
+    replica = ("import os, time; from spinf_jax.replicas import outlive_no_front; "
+               f"outlive_no_front(os.environ, 0.05); open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
+               "time.sleep(60)")  # fmt: skip
+    front = subprocess.Popen(
+        ["sh", "-c", f'"{sys.executable}" -c "{replica}" & sleep 60'],
+        env={**os.environ, "SPINF_JAX_REPLICA": "0"},
+    )
+    _wait(lambda: pidfile.exists() and pidfile.read_text())
+    pid = int(pidfile.read_text())
+    front.kill()
+    front.wait()
+
+    def gone() -> bool:  # exited (a zombie until whoever adopted it reaps it)
+        stat = Path(f"/proc/{pid}/stat")
+        return not stat.exists() or stat.read_text().split(") ")[1].startswith("Z")
+
+    _wait(gone, timeout=20)
+
+
 def test_the_flags_are_checked(tmp_path, capsys):
     assert cli.main(["serve", "--devices", "0", "--check"]) == 2
     assert "--devices: must be at least 1, not 0" in capsys.readouterr().err

@@ -69,6 +69,18 @@ def _serve(args) -> int:
     return 0
 
 
+def _devices(asked: str, command: str):
+    """(the devices there are, how many of them `--devices` asks for), or None once the problem is said."""
+    from spinf_jax import replicas
+
+    try:
+        devices = replicas.probe(os.environ)
+        return devices, replicas.how_many(asked, devices)
+    except (RuntimeError, ValueError) as e:
+        print(f"spinf-jax {command}: {e}", file=sys.stderr)
+        return None
+
+
 def _serve_replicas(args, launch) -> int:
     """`serve --devices`: a replica process per device behind the front (spinf_jax.server.front)."""
     import uvicorn
@@ -77,12 +89,9 @@ def _serve_replicas(args, launch) -> int:
     from spinf_jax.server.front import create_front
     from spinf_jax.server.protocol import uvicorn_config
 
-    try:
-        devices = replicas.probe(os.environ)
-        count = replicas.how_many(launch.devices, devices)
-    except (RuntimeError, ValueError) as e:
-        print(f"spinf-jax serve: {e}", file=sys.stderr)
+    if (found := _devices(launch.devices, "serve")) is None:
         return 2
+    devices, count = found
     keys = launch.settings.api_keys
     pool = replicas.Replicas.spawn(
         replicas.serve_args(args.argv[1:]),
@@ -363,12 +372,9 @@ def _score_on_replicas(args, source: Path, out: Path, template: dict) -> int:
     from spinf_jax.server.protocol import in_thread
     from spinf_jax.server.settings import Settings
 
-    try:
-        devices = replicas.probe(os.environ)
-        count = replicas.how_many(args.devices, devices)
-    except (RuntimeError, ValueError) as e:
-        print(f"spinf-jax score: {e}", file=sys.stderr)
+    if (found := _devices(args.devices, "score")) is None:
         return 2
+    devices, count = found
     model = args.model or DEFAULT_MODEL
     serve = [model, "--log-level", "warning"] + (["--precision", args.precision] if args.precision else [])
     serve += [flag for source in args.packs for flag in ("--packs", source)]

@@ -332,6 +332,10 @@ def _score(args) -> int:
 def _score_on_ray(args, source: Path, out: Path, template: dict) -> int:
     """`score --ray ADDRESS|local`: Ray Data actors (spinf_jax.ray.Scores), one device each: every GPU of the
     cluster, or --devices N of them (on a cluster without GPUs, N actors of a CPU each; default 1)."""
+    if args.ray == "local":
+        # Under `uv run`, Ray otherwise packs up the working directory and has every worker rebuild the uv
+        # environment from it, which here is the one the workers already share (read once, at import).
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     import ray
     from tqdm import tqdm
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import time
+from pathlib import Path
 
 import httpx
 
@@ -26,3 +27,20 @@ def loaded(client, timeout: float = 300) -> dict:
         assert time.monotonic() < deadline, health
         time.sleep(0.2)
     return health
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """Every live process: pid → (parent pid, command line), read from /proc (no procps on a bare machine)."""
+    found = {}
+    for folder in Path("/proc").iterdir():
+        if not folder.name.isdigit():
+            continue
+        try:
+            stat = (folder / "stat").read_text()
+            command = (folder / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended meanwhile
+            continue
+        state, parent = stat.rsplit(") ", 1)[1].split()[:2]
+        if state != "Z":
+            found[int(folder.name)] = (int(parent), command)
+    return found

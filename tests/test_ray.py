@@ -5,7 +5,6 @@ process, bit for bit, even when an actor is killed mid-job (no row lost, none tw
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -19,6 +18,7 @@ from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.packs.loader import load_packs
 from spinf_jax.ray import Scores, template
 from spinf_jax.scoring import Scorer
+from tests.serving import processes
 
 SCORING = {"queries": [{"id": "late", "template": "\n\nIs the order late?{?}", "options": [" yes", " no"]}]}
 
@@ -67,8 +67,7 @@ def test_a_row_may_ask_a_pack_of_its_own(gemma_engine):
 
 
 def _actors() -> list[int]:
-    found = subprocess.run(["pgrep", "-f", "MapWorker"], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in found]
+    return [pid for pid, (_, command) in processes().items() if "MapWorker" in command]
 
 
 @pytest.mark.slow  # a local Ray cluster, two actors each loading a model, one killed and started again
@@ -84,7 +83,7 @@ def test_score_on_ray_loses_no_row_when_an_actor_dies(smollm_engine, tmp_path):
             "2", "--batch", "2", "--model", "spinf/smollm2-135m-instruct", "--precision", "fp32"]  # fmt: skip
     job = threading.Thread(target=lambda: cli.main(argv))
     job.start()
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 120  # about 30 s here (a hang once cost CI 300 s: uv run's runtime env)
     while not (out.exists() and out.read_text().count("\n") >= 2):  # both actors are up, rows are coming
         assert job.is_alive() and time.monotonic() < deadline, "no rows came"
         time.sleep(0.2)

@@ -24,7 +24,7 @@ from spinf_jax.server.errors import EXCEPTION_HANDLERS, ApiError
 from spinf_jax.server.front import create_front
 from spinf_jax.server.protocol import in_thread
 from spinf_jax.server.settings import Settings
-from tests.serving import serving
+from tests.serving import processes, serving
 
 BODY = {
     "inputs": [
@@ -217,8 +217,7 @@ def _two_devices() -> dict[str, str]:
 
 
 def _children(pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in found]
+    return [child for child, (parent, _) in processes().items() if parent == pid]
 
 
 def _wait(check, timeout: float = 180):

@@ -80,7 +80,8 @@ def test_score_on_ray_loses_no_row_when_an_actor_dies(smollm_engine, tmp_path):
     queries, out = tmp_path / "q.json", tmp_path / "out.jsonl"
     queries.write_text(json.dumps(SCORING))
     argv = ["score", str(source), "--out", str(out), "--queries", str(queries), "--ray", "local", "--devices",
-            "2", "--batch", "2", "--model", "spinf/smollm2-135m-instruct", "--precision", "fp32"]  # fmt: skip
+            "2", "--batch", "2", "--model", "spinf/smollm2-135m-instruct", "--precision", "fp32",
+            "--buckets", "256"]  # fmt: skip
     job = threading.Thread(target=lambda: cli.main(argv))
     job.start()
     deadline = time.monotonic() + 120  # about 30 s here (a hang once cost CI 300 s: uv run's runtime env)

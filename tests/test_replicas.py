@@ -147,7 +147,7 @@ def test_the_fronts_metrics_ask_for_the_key_when_told(default_url):
 def test_batches_in_flight_are_written_in_input_order(gemma_engine, tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text(
-        "".join(json.dumps({"id": str(i), "text": f"Message number {i}."}) + "\n" for i in range(9))
+        "".join(json.dumps({"id": str(i), "text": f"Message number {i}."}) + "\n" for i in range(5))
     )
     scorer = Scorer(gemma_engine)
     in_process = bulk.in_process(scorer)

@@ -296,3 +296,29 @@ def serve_in_thread(app):
             health = client.get("/health").json()
     assert health["status"] == "ok", health
     return server, client, health
+
+
+def served_shape_arguments(parser) -> None:
+    """The flags of the benchmarks that serve made-up weights at a real shape (`serve --random-weights`)."""
+    parser.add_argument("--tokenizer", required=True, help="a folder holding Gemma 3's tokenizer.json")
+    parser.add_argument("--config", help="a transformers config.json (default: Gemma 3 12B's text config)")
+    parser.add_argument("--precision", default="fp8")
+    parser.add_argument("--buckets", default="4096,16384")
+
+
+def served_shape_config(config: str | None, out: Path) -> Path:
+    """--config, or Gemma 3 12B's text config written into `out`."""
+    if config:
+        return Path(config)
+    written = out / "gemma-3-12b.json"
+    written.write_text(json.dumps(GEMMA3_12B))
+    return written
+
+
+def write_articles(job: dict, count: int, path: Path) -> Path:
+    """`count` of the seed job's articles, round and round, as the bulk command's JSON Lines input."""
+    with path.open("w") as f:
+        for k in range(count):
+            c = job["contents"][k % len(job["contents"])]
+            f.write(json.dumps({"id": f"{c['id']}-{k}", "text": c["text"]}) + "\n")
+    return path

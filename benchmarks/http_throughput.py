@@ -40,7 +40,15 @@ from pathlib import Path
 import httpx
 import jax
 import numpy as np
-from common import GEMMA3_12B, gemm_peaks, linear_params, seed_job, seed_request
+from common import (
+    gemm_peaks,
+    linear_params,
+    seed_job,
+    seed_request,
+    served_shape_arguments,
+    served_shape_config,
+    write_articles,
+)
 from server_process import start_server, stop_server, wait_ready
 
 from spinf_jax.engine import Engine, use_compilation_cache
@@ -56,10 +64,7 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokenizer", required=True, help="a folder holding Gemma 3's tokenizer.json")
-    parser.add_argument("--config", help="a transformers config.json (default: Gemma 3 12B's text config)")
-    parser.add_argument("--precision", default="fp8")
-    parser.add_argument("--buckets", default="4096,16384")
+    served_shape_arguments(parser)
     parser.add_argument("--seconds", type=float, default=60.0, help="how long each part is driven")
     parser.add_argument("--clients", default="1,8,32", help="client counts for one request per article")
     parser.add_argument("--parts", default=",".join(PARTS))
@@ -201,11 +206,7 @@ def pack_bodies(per_request: int = 32) -> list[dict]:
 def bulk(url: str, job: dict, articles: int, out: Path) -> dict:
     """`spinf-jax score --url` over `articles` articles (the seed job's, repeated), timed as a user runs
     it."""
-    contents = out / "bulk-input.jsonl"
-    with contents.open("w") as f:
-        for k in range(articles):
-            c = job["contents"][k % len(job["contents"])]
-            f.write(json.dumps({"id": f"{c['id']}-{k}", "text": c["text"]}) + "\n")
+    contents = write_articles(job, articles, out / "bulk-input.jsonl")
     queries = out / "bulk-queries.json"
     queries.write_text(json.dumps(job["questions"]))
     results = out / "bulk-results.jsonl"
@@ -310,9 +311,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = Path(args.config) if args.config else out / "gemma-3-12b.json"
-    if not args.config:
-        config.write_text(json.dumps(GEMMA3_12B))
+    config = served_shape_config(args.config, out)
     results = {
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
-from common import GEMMA3_12B, seed_job
+from common import seed_job, served_shape_arguments, served_shape_config, write_articles
 from http_throughput import Driver, article_bodies, pack_bodies, questions_in
 from server_process import start_server, stop_server
 
@@ -35,10 +35,7 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokenizer", required=True, help="a folder holding Gemma 3's tokenizer.json")
-    parser.add_argument("--config", help="a transformers config.json (default: Gemma 3 12B's text config)")
-    parser.add_argument("--precision", default="fp8")
-    parser.add_argument("--buckets", default="4096,16384")
+    served_shape_arguments(parser)
     parser.add_argument("--devices", default="all", help="the run beside the 1-device one: all, or N")
     parser.add_argument("--seconds", type=float, default=60.0, help="how long each server part is driven")
     parser.add_argument("--articles", type=int, default=240, help="the Ray part's rows: the seed job x10")
@@ -91,20 +88,15 @@ def server(args, config: Path, devices: int, job: dict, out: Path) -> tuple[dict
 def ray_part(args, config: Path, devices: int, gpus: int, job: dict, out: Path) -> tuple[dict, str]:
     import ray
 
-    from spinf_jax.ray import score_file
+    from spinf_jax.ray import score_file, start_local
 
-    source = out / "ray-input.jsonl"
-    with source.open("w") as f:
-        for k in range(args.articles):
-            c = job["contents"][k % len(job["contents"])]
-            f.write(json.dumps({"id": f"{c['id']}-{k}", "text": c["text"]}) + "\n")
+    source = write_articles(job, args.articles, out / "ray-input.jsonl")
     result = out / f"ray-{devices}.jsonl"
     result.unlink(missing_ok=True)
     scores = {"model": args.tokenizer, "precision": args.precision, "scoring": job["questions"],
               "random_weights": str(config),
               "buckets": [int(b) for b in args.buckets.split(",")]}  # fmt: skip
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    ray.init(num_cpus=max(os.cpu_count() or 1, devices + 1), log_to_driver=False)
+    start_local(devices)
     try:
         summary = score_file(source, result, scores, devices, 1 if gpus else 0, batch=64)
     finally:
@@ -119,9 +111,7 @@ def main() -> None:
     args = arguments()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = Path(args.config) if args.config else out / "gemma-3-12b.json"
-    if not args.config:
-        config.write_text(json.dumps(GEMMA3_12B))
+    config = served_shape_config(args.config, out)
     found = replicas.probe(os.environ)
     many = replicas.how_many(args.devices, found)
     weights = f"made-up (loader.random_model, seed 0) at the shape of {config.name}"

@@ -13,11 +13,8 @@ import platform
 import time
 from pathlib import Path
 
-import ray
-import ray.data
-
 from spinf_jax import api
-from spinf_jax.ray import Scores, template
+from spinf_jax.ray import Scores, start_local, template
 
 ARTICLE = "word " * 400  # ~2 KB, about the seed job's articles
 
@@ -52,7 +49,9 @@ def main() -> None:
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    ray.init(num_cpus=max(os.cpu_count() or 1, args.actors + 1), log_to_driver=False)
+    start_local(args.actors)
+    import ray.data  # after start_local, whose setting ray reads when first imported
+
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     rows = [{"id": str(i), "text": ARTICLE} for i in range(args.rows)]
     dataset = ray.data.from_items(rows).repartition(target_num_rows_per_block=args.batch)

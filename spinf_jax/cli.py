@@ -332,11 +332,6 @@ def _score(args) -> int:
 def _score_on_ray(args, source: Path, out: Path, template: dict) -> int:
     """`score --ray ADDRESS|local`: Ray Data actors (spinf_jax.ray.Scores), one device each: every GPU of the
     cluster, or --devices N of them (on a cluster without GPUs, N actors of a CPU each; default 1)."""
-    if args.ray == "local":
-        # Under `uv run`, Ray otherwise packs up the working directory and has every worker rebuild the uv
-        # environment from it, which here is the one the workers already share (read once, at import).
-        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    import ray
     from tqdm import tqdm
 
     from spinf_jax import bulk
@@ -344,11 +339,10 @@ def _score_on_ray(args, source: Path, out: Path, template: dict) -> int:
 
     asked = args.devices or "all"
     if args.ray == "local":
-        # An actor holds a CPU, and Ray Data's read tasks want one of their own: on a small machine N CPU
-        # actors would leave the reads none, and the job would wait forever.
-        wanted = 1 + (1 if asked == "all" else int(asked))
-        ray.init(num_cpus=max(os.cpu_count() or 1, wanted), log_to_driver=False)
-    else:
+        spinf_ray.start_local(1 if asked == "all" else int(asked))
+    import ray  # after start_local, whose setting ray reads when first imported
+
+    if args.ray != "local":
         ray.init(address=args.ray, log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     actors = (gpus or 1) if asked == "all" else int(asked)

@@ -18,6 +18,7 @@ scores are the bits one device gives, whatever rows share its batch, so a task t
 actor, after a node or an actor is lost, writes the same bits.
 """
 
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,6 +101,18 @@ def with_packs(asked: dict, own: tuple[str, ...]) -> dict:
     if not own:
         return asked
     return {**asked, "packs": [*asked.get("packs", []), *({"id": pack} for pack in own)]}
+
+
+def start_local(actors: int) -> None:
+    """A Ray instance in this process for `actors` actors. An actor holds a CPU, and Ray Data's read tasks
+    want one of their own: on a small machine N CPU actors would leave the reads none, and the job would wait
+    forever, so there are at least N + 1 logical CPUs. Under `uv run` Ray would otherwise pack up the
+    working directory and have every worker rebuild the uv environment from it, the one the workers already
+    share (the setting is read once, when ray is first imported)."""
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    import ray
+
+    ray.init(num_cpus=max(os.cpu_count() or 1, actors + 1), log_to_driver=False)
 
 
 def template(scoring: dict | list | None, packs: Sequence[str]) -> dict:

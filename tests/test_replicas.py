@@ -163,6 +163,7 @@ def test_batches_in_flight_are_written_in_input_order(gemma_engine, tmp_path):
     assert summary.scored == 5 and many.read_text() == one.read_text()
 
 
+@pytest.mark.slow  # a subprocess (about 3 s)
 def test_a_replica_stops_once_its_front_is_gone(tmp_path):
     """A front killed outright (SIGKILL, the OOM killer) cannot stop its replicas: they stop themselves."""
     pidfile = tmp_path / "pid"

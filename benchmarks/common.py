@@ -15,6 +15,7 @@ from flax import nnx
 
 from spinf_jax.models.moe import Experts
 from spinf_jax.models.params import Kind, params, per_source
+from spinf_jax.packer import default_sizes
 from spinf_jax.tokenizer import Tokenizer
 
 JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
@@ -303,7 +304,11 @@ def served_shape_arguments(parser) -> None:
     parser.add_argument("--tokenizer", required=True, help="a folder holding Gemma 3's tokenizer.json")
     parser.add_argument("--config", help="a transformers config.json (default: Gemma 3 12B's text config)")
     parser.add_argument("--precision", default="fp8")
-    parser.add_argument("--buckets", default="4096,16384")
+    parser.add_argument(
+        "--buckets",
+        default=",".join(map(str, default_sizes())),
+        help="pass sizes, comma-separated (default: the server's on this backend)",
+    )
 
 
 def served_shape_config(config: str | None, out: Path) -> Path:

@@ -22,9 +22,12 @@ requests answered from its start to its last answer.
 
 Reported per part: questions/s (messages/hour for the pack), useful tokens/s (content and question tokens:
 floors are cached after the first request), model-FLOPs utilisation (2 × linear parameters × useful tokens)
-over the fp8 GEMM peak, p50/p99 latency, and the server process's CPU seconds per request (/proc: every
+over the fp8 GEMM peak, p50/p99 latency, the server process's CPU seconds per request (/proc: every
 thread, including the engine thread's host-side waits inside a pass on GPUs; benchmarks/host_costs.py
-measures the request work itself). Random weights at the real shape: speed does not depend on the values.
+measures the request work itself), and the passes it took by bucket with the share of their rows that were
+useful tokens (/metrics). Random weights at the real shape: speed does not depend on the values. The
+buckets are the server's default unless --buckets says otherwise; the library engine is warmed up as the
+server is (every bucket compiled and timed: Engine.warmup), so both cut batches by the same costs.
 """
 
 import argparse
@@ -49,6 +52,7 @@ from common import (
     served_shape_config,
     write_articles,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from server_process import start_server, stop_server, wait_ready
 
 from spinf_jax.engine import Engine, use_compilation_cache
@@ -143,6 +147,29 @@ class Driver:
         }
 
 
+def passes_so_far(url: str) -> dict[int, tuple[float, float]]:
+    """The server's passes so far by bucket (/metrics' spinf_pass_seconds): size -> (count, seconds)."""
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    counts: dict[int, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "spinf_pass_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith(("_count", "_sum")):
+                pair = counts.setdefault(int(sample.labels["bucket"]), [0.0, 0.0])
+                pair[sample.name.endswith("_sum")] += sample.value
+    return {size: (count, seconds) for size, (count, seconds) in counts.items()}
+
+
+def passes_between(before: dict, after: dict, useful_tokens: int) -> dict:
+    """The passes a part ran: how many of each bucket, their rows, and the share of those rows that were the
+    requests' content and question tokens (the rest is padding, floors and alignment to attention blocks)."""
+    ran = {size: after[size][0] - before.get(size, (0, 0))[0] for size in after}
+    ran = {size: int(n) for size, n in sorted(ran.items()) if n}
+    rows = sum(size * n for size, n in ran.items())
+    return {"passes": ran, "rows_run": rows, "rows_useful": useful_tokens / rows if rows else float("nan")}
+
+
 def questions_in(body: dict) -> int:
     return sum(len(r["queries"]) for r in body["results"])
 
@@ -151,6 +178,8 @@ def library(engine: Engine, request: dict, seconds: float) -> tuple[dict, dict]:
     """The seed job as one `Engine.score` call, repeated for `seconds` after a first call (floors and
     compiles)."""
     first = engine.score(request)
+    sizes: list[int] = []  # every timed call's passes
+    engine.on_pass = lambda size, seconds: sizes.append(size)
     times, again = [], first
     while sum(times) < seconds:
         start = time.perf_counter()
@@ -168,6 +197,11 @@ def library(engine: Engine, request: dict, seconds: float) -> tuple[dict, dict]:
         "tokens_per_second": tokens / median,
         "same_bits_every_call": again["results"] == first["results"],
     }
+    engine.on_pass = None
+    if times:  # a call's passes
+        row["passes"] = {size: sizes.count(size) / len(times) for size in sorted(set(sizes))}
+        row["rows_run"] = sum(sizes) / len(times)
+        row["rows_useful"] = tokens / row["rows_run"]
     return row, first
 
 
@@ -288,6 +322,7 @@ def table(results: dict) -> str:
         "p50 ms",
         "p99 ms",
         "server CPU ms/request",
+        "rows useful",
     ]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for name, row in results["rows"].items():
@@ -301,6 +336,7 @@ def table(results: dict) -> str:
             f"{row['mfu']:.1%}" if "mfu" in row else "",
             *latency,
             cpu,
+            f"{row['rows_useful']:.1%}" if "rows_useful" in row else "",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -334,6 +370,9 @@ def main() -> None:
     params = linear_params(model.decoder)
     results["linear_params"] = params
     engine = Engine(model, buckets)
+    engine.warmup()  # as the server does: every bucket compiled and timed, what the packer cuts by
+    results["library_pass_seconds"] = dict(zip(engine.buckets.sizes, engine.buckets.pass_costs, strict=True))
+    print("library pass seconds", results["library_pass_seconds"], flush=True)
     library_row, library_answer = library(engine, request, args.seconds if "library" in parts else 0)
     if "library" in parts:
         results["rows"]["library: seed job, one call"] = library_row | {
@@ -363,6 +402,8 @@ def main() -> None:
     try:
         wait_ready(url, process, timeout=900)
         results["server_ready_seconds"] = time.perf_counter() - start
+        health = httpx.get(f"{url}/health", timeout=60).json()
+        results["server_pass_seconds"] = dict(zip(health["buckets"], health["pass_seconds"], strict=True))
         driver = Driver(url, process.pid)
         over_http = httpx.post(f"{url}/v1/score", json=request, timeout=900).json()
         results["http_same_bits_as_library"] = over_http["results"] == library_answer["results"]
@@ -375,7 +416,9 @@ def main() -> None:
         )
 
         def measure(name: str, bodies: list[dict], clients: int, questions_of=questions_in) -> None:
+            before = passes_so_far(url)
             row = driver.run(bodies, clients, args.seconds, questions_of)
+            row |= passes_between(before, passes_so_far(url), row["useful_tokens"])
             row["mfu"] = mfu(row, params, results)
             results["rows"][name] = row
             save(results, out)

@@ -590,6 +590,10 @@ class Health(Struct, kw_only=True, omit_defaults=True):
     error: Annotated[str | None, Meta(description="why the model failed to load")] = None
     system_fingerprint: str | None = None
     buckets: Annotated[list[int] | None, Meta(description="the compiled pass sizes, in tokens")] = None
+    pass_seconds: Annotated[
+        list[float] | None,
+        Meta(description="what a pass of each bucket took when it was compiled: what batches are cut by"),
+    ] = None
     limits: Annotated[
         dict[str, int | float | bool] | None,
         Meta(description="the request limits, max_body_bytes included (allow_remote_media: a flag)"),

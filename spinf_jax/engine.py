@@ -286,7 +286,7 @@ class Engine:
         self._graphdef = graphdef
         # (bucket size, whether its passes hold images) → its compiled pass
         self._programs: dict[tuple[int, bool], jax.stages.Compiled] = {}
-        self._warm: set[int] = set()  # bucket sizes whose program has run once (warmup)
+        self._warm: dict[int, float] = {}  # bucket size: seconds of its pass, once warmup has run it
         self._warm_extraction: set[int] = set()  # bucket sizes whose extraction programs have run
         # Extraction: a pass that also hands back its keys and values, then fixed-shape decode steps of
         # [G × W] rows in buckets of decode_sizes rows (spinf_jax.extraction).
@@ -320,9 +320,10 @@ class Engine:
         return cls(load_model(spec, precision, progress), **kwargs)
 
     def warmup(self, progress: Progress | None = None, extraction: bool = False) -> None:
-        """Compile every bucket's program now and run it once (the server does this before it reports
+        """Compile every bucket's program now and time a pass of it (the server does this before it reports
         ready); each program is a step of "compile" (progress), with its bucket size and seconds. A bucket
         already warmed is not run again (an app started on an engine that served before starts at once).
+        From then on the packer cuts batches by those measured costs (Buckets.measured).
 
         With extraction, also every program extraction runs (`serve --warm-extraction`): each bucket's pass
         that returns keys and values, and the first candidates and decode steps at every decode size, for
@@ -331,9 +332,9 @@ class Engine:
         with Steps(progress, "compile", len(cold), "program") as step:
             for size in cold:
                 start = time.perf_counter()
-                self._run_pass(self._empty_pass(size))
-                self._warm.add(size)
-                step(bucket=size, seconds=round(time.perf_counter() - start, 2))
+                self._warm[size] = timed = self._time_pass(size)
+                step(bucket=size, seconds=round(time.perf_counter() - start, 2), pass_seconds=round(timed, 4))
+        self.buckets = self.buckets.measured([self._warm[size] for size in self.buckets.sizes])
         if not extraction:
             return
         cold = [size for size in self.buckets.sizes if size not in self._warm_extraction]
@@ -363,6 +364,24 @@ class Engine:
             ]
             trees.append(build_tree([0], [], questions))
         return trees
+
+    def _time_pass(self, size: int) -> float:
+        """Seconds a pass of this size takes, its program compiled first: the pass itself, without its read
+        chunks (their count follows the reads a pass holds, not its size). Where the first run is short it is
+        run again, as a program's first run also loads its kernels onto the device."""
+        p = self._empty_pass(size)
+        args, program = self._pass_args(p), self.program(size)
+
+        def run() -> tuple[float, tuple]:
+            start = time.perf_counter()
+            outputs = jax.block_until_ready(program(*args))
+            return time.perf_counter() - start, outputs
+
+        seconds, (picked, hidden) = run()
+        if seconds < 1.0:
+            seconds = min(seconds, run()[0])
+        self._results(p, picked, self._read_chunks(p, hidden))  # compiles the read chunk's program
+        return seconds
 
     def program(self, size: int, args: tuple | None = None) -> jax.stages.Compiled:
         """One bucket's compiled program, compiled on first use (warmup compiles them all). A pass with images

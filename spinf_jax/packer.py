@@ -6,7 +6,7 @@ next-token distribution is needed) and targets (token log-probs) have fixed per-
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import numpy as np
@@ -31,8 +31,15 @@ MIN_BUCKET = 2 * READ_CHUNK
 def default_sizes() -> tuple[int, ...]:
     """The bucket sizes served by default. Each largest bucket holds a content at the 4,096-token limit (4,097
     rows with BOS, 4,224 aligned) with its questions. On the CPU a 16k-token pass takes minutes: 6,144 is the
-    largest there, and small buckets keep single requests responsive."""
-    return (2048, 4096, 8192, 16384) if jax.default_backend() != "cpu" else (256, 1024, 2048, 6144)
+    largest there, and small buckets keep single requests responsive.
+
+    On GPUs every 2,048 rows: a pass's rows cost time whether trees fill them or not, and with powers of two
+    a batch lost up to half its rows to padding (the seed job's 24 articles, 29,184 rows, took two passes of
+    16,384; four one-article requests, 4,864 rows, two of 4,096). Each size is one more program to compile
+    at start (~8 s cold at the 12B shape, ~2 s from the compile cache)."""
+    if jax.default_backend() == "cpu":
+        return (256, 1024, 2048, 6144)
+    return tuple(range(2048, 16384 + 1, 2048))
 
 
 def default_block() -> int:
@@ -49,7 +56,7 @@ def default_block() -> int:
 
 @dataclass(frozen=True)
 class Buckets:
-    sizes: tuple[int, ...] = (2048, 4096, 8192, 16384)
+    sizes: tuple[int, ...] = field(default_factory=default_sizes)
     block: int = field(default_factory=default_block)
     # Reads and targets a pass holds: one read per `read_every` rows, `targets_per_row` targets per row. A
     # pass computes only the reads it holds (engine._read_chunk), so capacity costs index arrays, not work:
@@ -63,6 +70,9 @@ class Buckets:
     # 12B shape took ~0.14 s on the H200 against ~0.58 s for 16,384 rows; Gemma 3 270M on the CPU 0.74 s
     # for 256 rows, 1.11 s for 512, 1.95 s for 1,024 (benchmarks/results, 2026-12-04).
     pass_overhead: int = 256
+    # What a pass of each size costs, measured (seconds, one per size: Engine.warmup times each program), in
+    # place of the rows-plus-overhead model above. None: the model.
+    pass_costs: tuple[float, ...] | None = None
     # The model has recurrent layers (Qwen3.5): passes carry their trees' recurrent chunks (layout), one per
     # `rows_per_chunk` rows at most. Each chunk costs a step of the layers' chunk loop whether it holds rows
     # or not: the seed job's articles take one per ~45 rows, the moderation pack's trees one per ~16.
@@ -79,6 +89,19 @@ class Buckets:
             raise ValueError(f"bucket sizes must be ascending multiples of the block size and {READ_CHUNK}")
         if self.sizes[0] < MIN_BUCKET:
             raise ValueError(f"the smallest bucket is {MIN_BUCKET} tokens")
+        if self.pass_costs is not None and len(self.pass_costs) != len(self.sizes):
+            raise ValueError("pass_costs needs one cost per bucket size")
+
+    def measured(self, seconds: list[float]) -> "Buckets":
+        """These buckets, packing by the measured seconds of a pass of each size. A larger pass does at least
+        a smaller one's work: a size that timed faster than a smaller one (noise) costs what that one did."""
+        return replace(self, pass_costs=tuple(float(c) for c in np.maximum.accumulate(seconds)))
+
+    def cost(self, size: int) -> float:
+        """What a pass of this size costs: measured seconds, else its rows plus pass_overhead."""
+        if self.pass_costs is None:
+            return size + self.pass_overhead
+        return self.pass_costs[self.sizes.index(size)]
 
     def check_row_tile(self, tile: int | None) -> None:
         """With row tiles (models.layers.by_rows), every bucket must hold at least two whole tiles: XLA
@@ -219,10 +242,11 @@ def read_trees(
 
 
 def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
-    """The trees in order, cut into passes where that costs least: a pass costs its bucket's rows plus
-    `buckets.pass_overhead`, and of two equal ways the one with fewer passes wins. Filling each pass to the
-    largest bucket made a batch of four 1,200-token contents one 16,384-row pass where two of 4,096 rows
-    do. A tree's results do not depend on its pass (docs/batch-invariance.md), so this choice is free."""
+    """The trees in order, cut into passes where that costs least: a pass costs what its bucket costs
+    (`Buckets.cost`: measured seconds, or its rows plus `pass_overhead`), and of two equal ways the one with
+    fewer passes wins. Filling each pass to the largest bucket made a batch of four 1,200-token contents one
+    16,384-row pass where two of 4,096 rows do. A tree's results do not depend on its pass
+    (docs/batch-invariance.md), so this choice is free."""
     costs, sizes = [_cost(tree, buckets) for tree in trees], buckets.sizes
     best = [0] + [math.inf] * len(trees)  # best[i]: the cheapest passes for trees[:i]
     start_of = [0] * (len(trees) + 1)  # where the last pass of best[i] starts
@@ -238,7 +262,7 @@ def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
                 bucket += 1  # the pass only grows as it starts earlier: its bucket never shrinks
             if bucket == len(sizes):
                 break
-            cost = best[start] + sizes[bucket] + buckets.pass_overhead
+            cost = best[start] + buckets.cost(sizes[bucket])
             if cost <= best[end]:  # <=: a longer last pass, so fewer passes, on a tie
                 best[end], start_of[end] = cost, start
         if best[end] == math.inf:

@@ -197,7 +197,8 @@ def test_progress_off_a_terminal_is_json_lines_that_add_up(monkeypatch, lines):
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # whatever pytest's own stderr is
     settings = Settings(str(TINY), buckets=(256, 512), progress=True)
     with TestClient(create_app(settings)) as client:
-        assert loaded(client)["status"] == "ok"
+        health = loaded(client)
+        assert health["status"] == "ok"
     tensors = len(params(load_model(str(TINY), "fp32").decoder))
     load = lines("load")
     assert [line["tensors"] for line in load] == [tensors] * len(load)
@@ -209,6 +210,11 @@ def test_progress_off_a_terminal_is_json_lines_that_add_up(monkeypatch, lines):
         (512, 2, 2),
     ]
     assert all(line["seconds"] >= 0 and line["elapsed_s"] >= line["seconds"] - 0.01 for line in compiled)
+    # Each program's pass is timed once compiled, and the packer cuts by those times (never a smaller cost
+    # for a larger bucket).
+    timed = [line["pass_seconds"] for line in compiled]
+    assert all(0 < t <= line["seconds"] for t, line in zip(timed, compiled, strict=True))
+    assert health["pass_seconds"] == pytest.approx([timed[0], max(timed)], abs=1e-4)
     [ready] = lines("ready")
     assert ready["model"] == str(TINY) and ready["load_s"] >= 0
     assert ready["compile_s"] >= sum(line["seconds"] for line in compiled) - 0.02

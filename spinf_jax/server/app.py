@@ -332,6 +332,8 @@ async def health(request: Request) -> Response[api.Health]:
     if engine:
         body.system_fingerprint = engine.fingerprint
         body.buckets = list(engine.buckets.sizes)
+        costs = engine.buckets.pass_costs
+        body.pass_seconds = list(costs) if costs else None
         body.limits = {
             **server.scorer.limits.reported(
                 MediaFormats(engine.model.image_format, engine.model.audio_format)

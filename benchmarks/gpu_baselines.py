@@ -14,6 +14,7 @@ plus parity against transformers at a real model shape. One script, one run, on 
 """
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -127,22 +128,64 @@ def our_engine(hf: torch.nn.Module, config: dict, precision: str, tok: Tokenizer
     return Engine(Model(name, decoder, tok, digest="seed0"), buckets)
 
 
-def parity(config: dict, layers: int, tok, request: dict, articles, questions, options) -> dict:
-    """The first `layers` layers at the real width: transformers fp32 (eager) against ours."""
+def release() -> None:
+    """Free what was just dropped: Python cycles, then torch's cached blocks (JAX reuses its own pool)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def in_use() -> str:
+    """Device memory held now by JAX's live arrays and torch's tensors (blank on the CPU)."""
+    if not torch.cuda.is_available():
+        return ""
+    stats = jax.devices()[0].memory_stats() or {}
+    return (
+        f" [jax {stats.get('bytes_in_use', 0) / 2**30:.1f} GiB, "
+        f"torch {torch.cuda.memory_allocated() / 2**30:.1f} GiB]"
+    )
+
+
+def parity(
+    config: dict,
+    layers: int,
+    tok,
+    request: dict,
+    articles,
+    questions,
+    options,
+    precisions=("fp32", "bf16", "fp8"),
+) -> dict:
+    """The first `layers` layers at the real width: transformers fp32 (eager) against ours. One precision's
+    model at a time on the device: the reference moves to the host once its log-probs are taken (it is then
+    only the weights our loader reads), and each of our engines is dropped before the next is built."""
+    start = time.perf_counter()
     small = config | {"num_hidden_layers": layers}
     hf32 = hf_model(small, torch.float32, "eager")
     # Copying a hybrid model's recurrent states into a batch is not what its cache was made for: each question
     # as a whole sequence there.
     hybrid = config["model_type"].startswith("qwen3_5")
     _, ref = (baseline_a if hybrid else baseline_b)(hf32, articles, questions, options)
+    hf32.to("cpu")  # the same f32 values, read by TorchWeights as before, off the device
+    release()
+    print(config["model_type"], "reference", f"{time.perf_counter() - start:.0f} s{in_use()}", flush=True)
     out = {"layers": layers, "articles": len(articles), "reference": "transformers fp32 eager"}
-    for precision in ("fp32", "bf16", "fp8"):
+    for precision in precisions:
+        start = time.perf_counter()
         engine = our_engine(hf32, small, precision, tok, Buckets((4096,)))
         out[precision] = agreement(ours_scores(engine.score(request), len(articles)), ref)
-        print(config["model_type"], "parity", precision, out[precision], flush=True)
-    del hf32, engine
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        del engine
+        release()
+        print(
+            config["model_type"],
+            "parity",
+            precision,
+            out[precision],
+            f"{time.perf_counter() - start:.0f} s{in_use()}",
+            flush=True,
+        )
+    del hf32
+    release()
     return out
 
 
@@ -224,6 +267,9 @@ def main() -> None:
     parser.add_argument(
         "--parity-models", default="gemma3,qwen3,gemma4", help=f"with --parity-only: of {list(PARITY)}"
     )
+    parser.add_argument(
+        "--parity-precisions", default="fp32,bf16,fp8", help="ours against the fp32 reference, in this order"
+    )
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     config = dict(GEMMA3_12B)
@@ -241,6 +287,7 @@ def main() -> None:
 
     # Parity at the real width, on the first layers (fp32 reference, eager attention).
     sub = {**request, "inputs": request["inputs"][: args.parity_articles]}
+    precisions = tuple(args.parity_precisions.split(","))
     if args.parity_only:
         for name in args.parity_models.split(","):
             model_config, layers = PARITY[name]
@@ -257,8 +304,10 @@ def main() -> None:
                 p_articles[: args.parity_articles],
                 p_questions,
                 [o % vocab for o in p_options],
+                precisions,
             )
-        Path(args.out, "gpu_parity.json").write_text(json.dumps(results, indent=1) + "\n")
+            # Each model as it ends: what a run that is cut short measured still comes back.
+            Path(args.out, "gpu_parity.json").write_text(json.dumps(results, indent=1) + "\n")
         print(json.dumps(results))
         return
 
@@ -314,10 +363,19 @@ def main() -> None:
             f"{r['peak_device_gib']:>6.1f} GiB  MFU(fp8 peak) {r['mfu_vs_fp8_peak']:.1%}"
         )
     save(results, args.out)
+    del engine, response
+    release()
     # Parity last, so that the JAX memory peak above is the fp8 engine's alone.
     if args.parity_layers:
         results["parity"] = parity(
-            config, args.parity_layers, tok, sub, articles[: args.parity_articles], questions, options
+            config,
+            args.parity_layers,
+            tok,
+            sub,
+            articles[: args.parity_articles],
+            questions,
+            options,
+            precisions,
         )
         save(results, args.out)
     print(json.dumps(results))

@@ -236,10 +236,6 @@ class Launched:
     # normalisers and top tokens) and the time it was launched.
     running: list[tuple[Pass, tuple, float]] = field(default_factory=list)
 
-    def ready(self) -> bool:
-        """Whether every pass has finished on the device (collect would not wait)."""
-        return all(x.is_ready() for _, outputs, _ in self.running for x in jax.tree.leaves(outputs))
-
     def wait(self) -> None:
         jax.block_until_ready([outputs for _, outputs, _ in self.running])
 

@@ -35,7 +35,7 @@ class SlowEngine:
 
     def launch(self, trees):
         """Engine.launch's handle: here the work happens when it is collected."""
-        return SimpleNamespace(trees=trees, ready=self.gate.is_set, wait=self.gate.wait)
+        return SimpleNamespace(trees=trees, wait=self.gate.wait)
 
     def collect(self, launched):
         self.gate.wait()

@@ -5,7 +5,8 @@ the first batch's results are read and handed to finisher threads, which build t
 is the next batch launched: launching a pass holds this thread until the device has taken most of it (on the
 H200 at the Gemma 3 12B shape, 458 ms of a 528 ms pass: the host can only queue so much ahead), so answers
 read after a launch went out most of a pass late. This thread does nothing but read results and launch
-passes. Scores do not depend on what shares a pass (see packer), so batching never changes an answer.
+passes, and between them it sleeps on the queue: a waiter thread tells it when the device is done (_Done).
+Scores do not depend on what shares a pass (see packer), so batching never changes an answer.
 
 It also knows how long the queue will take (tokens waiting over the tokens per second it measured), which is
 what a full queue tells clients to wait (Retry-After), and it drops the requests whose clients left. Each
@@ -29,6 +30,14 @@ FINISHERS = 2  # threads building responses: they hold the GIL, so more would on
 
 class QueueFull(Exception):
     pass
+
+
+class _Done:
+    """Put on the queue by the waiter thread once the device has finished a launch: the engine thread sleeps
+    on the queue alone, woken by a request or by this, instead of asking the device every millisecond."""
+
+    def __init__(self, handle):
+        self.handle = handle
 
 
 class Ticket(Future):
@@ -57,6 +66,7 @@ class Runner:
         self._lock = threading.Lock()
         # Responses are built here, off the engine thread: it only launches passes and reads their results.
         self._finishers = ThreadPoolExecutor(FINISHERS, thread_name_prefix="spinf-finish")
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="spinf-wait")  # see _Done
         self._thread = threading.Thread(target=self._loop, name="spinf-engine", daemon=True)
         self._thread.start()
 
@@ -98,12 +108,13 @@ class Runner:
         self._thread.join(timeout=60)
         if not self._thread.is_alive():  # else it may still hand its last batch to the finishers
             self._finishers.shutdown(wait=True)
+            self._waiter.shutdown(wait=False)
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
+            if item is not None and not isinstance(item, _Done):
                 item[2].set_exception(ScoringError("shutting_down", "the server is stopping; retry shortly"))
 
     def _gather(self, first: tuple | None, busy=None) -> list[tuple[Any, Finish, Ticket]]:
@@ -112,25 +123,24 @@ class Runner:
         it returns once that batch is done. Either way no more than fills the largest bucket."""
         batch, tokens = ([first], first[2].tokens) if first else ([], 0)
         deadline = time.monotonic() + self.max_delay
+        done = busy is None
         while tokens < self.engine.buckets.largest:
-            if busy is None:
-                wait = deadline - time.monotonic()
-            elif busy.ready():
-                break
-            else:
-                wait = 0.001  # look again whether the device is done
-            try:
-                item = self._queue.get(timeout=max(0.0, wait))
+            wait = None if busy is not None else max(0.0, deadline - time.monotonic())
+            try:  # with a batch on the device: until a request or that batch's _Done comes
+                item = self._queue.get(timeout=wait)
             except queue.Empty:
-                if busy is None:
+                break
+            if isinstance(item, _Done):
+                if busy is not None and item.handle is busy:
+                    done = True
                     break
-                continue
+                continue  # an earlier launch's, waited for already
             if item is None:
                 self._queue.put(None)  # let the loop see the stop after this batch
                 break
             batch.append(item)
             tokens += item[2].tokens
-        if busy is not None:
+        if not done:
             busy.wait()  # one batch on the device at a time: each pass in flight holds its temporaries
         return batch
 
@@ -143,6 +153,8 @@ class Runner:
             if on_device is None:
                 if (first := self._queue.get()) is None:
                     return
+                if isinstance(first, _Done):  # a launch waited for already
+                    continue
                 batch = self._gather(first)
             elif isinstance(handle := on_device[1], Exception):  # nothing on the device after all
                 batch = []
@@ -163,7 +175,15 @@ class Runner:
             handle = self.engine.launch([tree for plan, _, _ in batch for tree in plan.trees])
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
             handle = exc
+        else:
+            self._waiter.submit(self._note_done, handle)
         return batch, handle, start
+
+    def _note_done(self, handle) -> None:
+        try:
+            handle.wait()
+        finally:  # a device failure too: collect raises it for the batch's requests
+            self._queue.put(_Done(handle))
 
     def _answer(self, batch: list[tuple[Any, Finish, Ticket]], handle, start: float) -> None:
         failure = handle if isinstance(handle, Exception) else None

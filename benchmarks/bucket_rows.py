@@ -1,0 +1,87 @@
+"""The rows a batch takes in passes, for several bucket sets: what padding each set costs the request shapes
+of http_throughput.py. Counts, not timings: the server's planner lays out the requests (Gemma 3's tokenizer,
+floors cached, 64-row attention blocks as on GPUs) and packer.pack cuts them by rows plus its pass overhead,
+so any machine gives the same table.
+
+    python3 benchmarks/bucket_rows.py --tokenizer TOKENIZER_FOLDER [--out DIR]
+
+A pass's time follows its rows, padding included, so "useful" (the requests' tokens over the rows of their
+passes) is the share of a pass's work that answers something.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from common import seed_job, seed_request
+from host_costs import SMALL
+from http_throughput import PACK, article_bodies, pack_bodies
+
+from spinf_jax.engine import Engine
+from spinf_jax.loader import random_model
+from spinf_jax.packer import Buckets, pack
+from spinf_jax.packs.compiled import compile_packs
+from spinf_jax.scoring import Scorer
+
+SETS = {
+    "4,096 + 16,384 (http runs 1-10)": (4096, 16384),
+    "powers of two (the GPU default before)": (2048, 4096, 8192, 16384),
+    "every 2,048 (the GPU default now)": tuple(range(2048, 16384 + 1, 2048)),
+}
+
+
+def requests(job: dict) -> dict[str, dict]:
+    """The seed job as one request, n one-article requests gathered into one batch (what a pass holds at 8
+    clients: the requests that arrived while the last one ran), and three moderation-pack requests."""
+    articles = article_bodies(job)
+    out = {"seed job (24 articles)": seed_request(job)}
+    for n in (2, 3, 4, 5, 6, 8):
+        inputs = [i for body in articles[:n] for i in body["inputs"]]
+        out[f"{n} one-article requests"] = {"inputs": inputs, "scoring": articles[0]["scoring"]}
+    packs = pack_bodies()[:3]
+    out["3 pack requests (96 messages)"] = {
+        "inputs": [i for b in packs for i in b["inputs"]],
+        "packs": [{"id": PACK}],
+    }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokenizer", required=True, help="a folder holding Gemma 3's tokenizer.json")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "small.json").write_text(json.dumps(SMALL))
+    model = random_model(out / "small.json", args.tokenizer, "fp32")
+    scorer = Scorer(
+        Engine(model, Buckets((2048, 4096), block=64)), packs=compile_packs(None, model.tokenizer)
+    )
+    job = seed_job()
+    scorer.score(
+        seed_request(job)
+    )  # the questions' floors, cached: later plans hold the requests' trees only
+    results, lines = {}, ["| batch | tokens | " + " | ".join(SETS) + " |", "|---" * (len(SETS) + 2) + "|"]
+    for name, request in requests(job).items():
+        trees = scorer.plan(request).trees
+        tokens = sum(len(t) for t in trees)
+        row = {"tokens": tokens}
+        for set_name, sizes in SETS.items():
+            passes = [p.size for p in pack(trees, Buckets(sizes, block=64))]
+            row[set_name] = {"passes": passes, "rows": sum(passes), "useful": tokens / sum(passes)}
+        results[name] = row
+        cells = [
+            f"{'+'.join(map(str, row[s]['passes']))} = {row[s]['rows']:,} ({row[s]['useful']:.0%})"
+            for s in SETS
+        ]
+        lines.append(f"| {name} | {tokens:,} | " + " | ".join(cells) + " |")
+    (out / "bucket_rows.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "bucket_rows.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -34,6 +34,17 @@ def wait_ready(url: str, process: subprocess.Popen | None, timeout: float) -> di
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
 
 
+def wait_compiled(url: str, timeout: float) -> dict:
+    """After wait_ready: until /health lists no bucket still compiling in the background (the server is
+    ready once its smallest and largest buckets are); its last answer."""
+    deadline = time.monotonic() + timeout
+    while (health := httpx.get(f"{url}/health", timeout=10).json()).get("compiling"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"buckets {health['compiling']} still compiling after {timeout:.0f} s")
+        time.sleep(0.5)
+    return health
+
+
 def stop_server(process: subprocess.Popen) -> None:
     process.terminate()
     try:

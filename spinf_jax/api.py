@@ -592,7 +592,11 @@ class Health(Struct, kw_only=True, omit_defaults=True):
     buckets: Annotated[list[int] | None, Meta(description="the compiled pass sizes, in tokens")] = None
     pass_seconds: Annotated[
         list[float] | None,
-        Meta(description="what a pass of each bucket took when it was compiled: what batches are cut by"),
+        Meta(description="what a pass of each bucket takes, measured at start: what batches are cut by"),
+    ] = None
+    compiling: Annotated[
+        list[int] | None,
+        Meta(description="pass sizes still compiling after the server became ready; in `buckets` once done"),
     ] = None
     limits: Annotated[
         dict[str, int | float | bool] | None,

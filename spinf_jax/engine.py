@@ -252,6 +252,8 @@ class Engine:
         if model.decoder.recurrent and not buckets.recurrent:  # its passes carry recurrent chunks
             self.buckets = buckets = replace(buckets, recurrent=True)
         buckets.check_row_tile(model.row_tile)
+        self._configured = buckets  # every size; `buckets` is what passes are packed into (see warmup)
+        self.compiling: tuple[int, ...] = ()  # sizes a background warmup has yet to compile
         self.fingerprint = (
             "fp_"
             + hashlib.sha256(
@@ -315,24 +317,67 @@ class Engine:
         """precision None: the one a `spinf-jax quantize` folder was written for, else bf16."""
         return cls(load_model(spec, precision, progress), **kwargs)
 
-    def warmup(self, progress: Progress | None = None, extraction: bool = False) -> None:
+    def warmup(
+        self, progress: Progress | None = None, extraction: bool = False, background: bool = False
+    ) -> threading.Thread | None:
         """Compile every bucket's program now and time a pass of it (the server does this before it reports
         ready); each program is a step of "compile" (progress), with its bucket size and seconds. A bucket
         already warmed is not run again (an app started on an engine that served before starts at once).
         From then on the packer cuts batches by those measured costs (Buckets.measured).
 
+        With background (the server's start), only the smallest and the largest bucket now (and any compiled
+        already): every request fits the largest, and a lone small one gets the smallest. The others compile
+        on a thread of their own, which this returns (`compiling` lists them meanwhile, progress steps
+        "compile_background"), and each joins `buckets` once compiled, at a cost interpolated between the
+        measured ones (a pass's time grows with its rows). A size added so makes its first run in a served
+        pass. Requests get the same bits either way: only which passes they share changes.
+
         With extraction, also every program extraction runs (`serve --warm-extraction`): each bucket's pass
         that returns keys and values, and the first candidates and decode steps at every decode size, for
-        searched and generated slots; else the first request with a slot in a bucket compiles them."""
-        cold = [size for size in self.buckets.sizes if size not in self._warm]
+        searched and generated slots; else the first request with a slot in a bucket compiles them (so do
+        the buckets compiled in the background)."""
+        sizes = self._configured.sizes
+        compiled = {size for size, media in self._programs if not media}
+        ends = (sizes[0], sizes[-1])
+        now = tuple(s for s in sizes if not background or s in ends or s in compiled)
+        cold = [size for size in now if size not in self._warm]
         with Steps(progress, "compile", len(cold), "program") as step:
             for size in cold:
                 start = time.perf_counter()
                 self._warm[size] = timed = self._time_pass(size)
                 step(bucket=size, seconds=round(time.perf_counter() - start, 2), pass_seconds=round(timed, 4))
-        self.buckets = self.buckets.measured([self._warm[size] for size in self.buckets.sizes])
-        if not extraction:
-            return
+        self.buckets = self._packing(now)
+        if extraction:
+            self._warm_extraction_programs(progress)
+        self.compiling = tuple(s for s in sizes if s not in now)
+        if not self.compiling:
+            return None
+        thread = threading.Thread(target=self._compile_rest, args=(progress,), name="spinf-compile")
+        thread.daemon = True  # a server stopping mid-compile does not wait for it
+        thread.start()
+        return thread
+
+    def _compile_rest(self, progress: Progress | None) -> None:
+        """warmup's background half: compile each size in `compiling`, then pack into it too."""
+        with Steps(progress, "compile_background", len(self.compiling), "program") as step:
+            for size in self.compiling:
+                start = time.perf_counter()
+                self.program(size)
+                self.buckets = self._packing((*self.buckets.sizes, size))
+                self.compiling = tuple(s for s in self.compiling if s != size)
+                step(bucket=size, seconds=round(time.perf_counter() - start, 2))
+
+    def _packing(self, sizes: tuple[int, ...]) -> Buckets:
+        """The configured buckets cut to `sizes`, each costed by its measured pass time or, where none was
+        measured (compiled in the background), by the line between the measured sizes around it."""
+        measured = sorted(self._warm.items())
+        rows, seconds = [m[0] for m in measured], [m[1] for m in measured]
+        sizes = tuple(sorted(set(sizes)))
+        costs = [float(np.interp(size, rows, seconds)) for size in sizes]
+        return replace(self._configured, sizes=sizes, pass_costs=None).measured(costs)
+
+    def _warm_extraction_programs(self, progress: Progress | None) -> None:
+        """warmup's extraction half, for the buckets passes are packed into now."""
         cold = [size for size in self.buckets.sizes if size not in self._warm_extraction]
         with Steps(progress, "compile_extraction", len(cold), "bucket") as step:
             for size in cold:
@@ -453,7 +498,7 @@ class Engine:
         return weights + read_chunk + IN_FLIGHT * largest_pass
 
     def _bucket(self, size: int) -> Buckets:
-        return replace(self.buckets, sizes=tuple(s for s in self.buckets.sizes if s >= size))
+        return replace(self._configured, sizes=tuple(s for s in self._configured.sizes if s >= size))
 
     def _pass_args(self, p: Pass) -> tuple:
         arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)

@@ -6,9 +6,9 @@ own card (CUDA_VISIBLE_DEVICES: no other card's memory is touched); elsewhere (t
 devices in the tests) it is told which of the process's devices to use (DEVICE_VARIABLE).
 
 The replicas share the compile cache: the first one compiles and fills it, the others start once it is ready
-and read the programs from it, so a cold start costs one compile, not one per device, and the first replica
-serves meanwhile. A replica whose process exits is started again on the same device and port; requests go to
-the others until it is ready.
+and done compiling (its /health lists no `compiling` buckets) and read the programs from it, so a cold start
+costs one compile, not one per device, and the first replica serves meanwhile. A replica whose process
+exits is started again on the same device and port; requests go to the others until it is ready.
 """
 
 import contextlib
@@ -99,6 +99,7 @@ class Replica:
     device: str  # "gpu:0", "cpu:1"
     url: str
     state: str = "starting"  # starting | ready | down (stopped answering; looked at again) | failed
+    compiling: bool = False  # ready, with buckets still compiling in the background
     in_flight: int = 0
     restarts: int = 0
     error: str | None = None
@@ -164,10 +165,14 @@ class Replicas:
             while not self._closing.wait(POLL_S):
                 for replica in self.members:
                     self._look_at(replica, http)
-                waiting = [r for r in self.members if r.process is None]
-                if waiting and self.members[0].state != "starting":
-                    for replica in waiting:  # the first is ready (or failed): the others start now
-                        self._start(replica)
+                self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        """The replicas not started yet (stagger), once the first has compiled every bucket or failed."""
+        waiting, first = [r for r in self.members if r.process is None], self.members[0]
+        if waiting and first.state != "starting" and not first.compiling:
+            for replica in waiting:
+                self._start(replica)
 
     def _look_at(self, replica: Replica, http: httpx.Client) -> None:
         process = replica.process
@@ -184,15 +189,17 @@ class Replicas:
             replica.restarts += 1
             self._start(replica)
             return
-        if replica.state == "ready":
+        if replica.state == "ready" and not replica.compiling:
             return
         try:
             health = http.get(f"{replica.url}/health").json()
         except (httpx.HTTPError, ValueError):
             return  # not listening yet
         if health.get("ready"):
-            replica.state = "ready"
-            log(LOG, "replica_ready", replica=replica.index, device=replica.device)
+            replica.compiling = bool(health.get("compiling"))
+            if replica.state != "ready":
+                replica.state = "ready"
+                log(LOG, "replica_ready", replica=replica.index, device=replica.device)
         elif health.get("status") == "error":
             replica.state, replica.error = "failed", health.get("error")
 

@@ -1,5 +1,6 @@
 """Trees, packing and invariance at the token level (no text): tiny fixtures of every stack, fp32, CPU."""
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -342,3 +343,37 @@ def test_recurrent_passes_hold_their_chunks_and_refuse_long_option_subtrees():
     many = tuple((1, i, i + 100, 7) for i in range(2, 40))  # nodes (1,), (1, i), (1, i, i + 100): 77 rows
     with pytest.raises(ValueError, match="subtree of 77 tokens"):
         content_trees([BOS], [5], [QuestionKey((9,), many)], buckets)
+
+
+def test_a_background_warmup_packs_into_each_bucket_once_it_is_compiled():
+    """warmup(background=True), the server's start: the smallest and largest bucket compiled and timed at
+    once, the middle one on a thread; until it is compiled trees go to the others, afterwards into it too,
+    at a cost between the measured ones. Every tree keeps its bits throughout."""
+    shared = _engine("qwen3", "fp32")  # (256, 512, 1024): every bucket compiled already
+    engine = Engine(shared.model, shared.buckets)
+    gate, program = threading.Event(), engine.program
+
+    def held(size, args=None):  # the middle bucket's compile waits for the gate
+        if size == 512 and args is None:
+            assert gate.wait(60)
+        return program(size, args)
+
+    engine.program = held
+    thread = engine.warmup(background=True)
+    assert engine.buckets.sizes == (256, 1024) and engine.compiling == (512,)
+    small, large = engine.buckets.pass_costs
+    trees = [build_tree([BOS], _content(0, 300), QUESTIONS)]  # ~350 rows: a pass of 1,024, or of 512
+    passes = []
+    engine.on_pass = lambda size, seconds: passes.append(size)
+    before = engine.score_trees(trees)
+    gate.set()
+    thread.join(60)
+    assert engine.buckets.sizes == (256, 512, 1024) and engine.compiling == ()
+    first, middle, last = engine.buckets.pass_costs  # the middle one interpolated, never out of order
+    assert (first, last) == (small, large) and small <= middle <= large
+    after = engine.score_trees(trees)
+    assert passes == [1024, 512]
+    expected = shared.score_trees(trees)
+    for got in (before, after):
+        for tree, want in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(tree.logprobs, want.logprobs)

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,22 @@ def test_the_library_is_silent_by_default(capsys, caplog):
     Engine.load(str(TINY), "fp32", buckets=Buckets((256,), block=64)).warmup()
     assert capsys.readouterr() == ("", "")
     assert [r for r in caplog.records if r.name.startswith("spinf_jax")] == []
+
+
+def test_a_start_is_ready_with_its_smallest_and_largest_bucket(monkeypatch, lines):
+    """With more than two buckets the server is ready once its smallest and largest are compiled; the others
+    compile behind it (progress "compile_background"), listed by /health under `compiling` until each has
+    joined `buckets`, with a cost of its own in `pass_seconds`."""
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    settings = Settings(str(TINY), buckets=(256, 512, 1024), progress=True)
+    with TestClient(create_app(settings)) as client:
+        health = loaded(client)
+        assert health["buckets"] + health.get("compiling", []) in ([256, 1024, 512], [256, 512, 1024])
+        for _ in range(600):
+            if "compiling" not in health:
+                break
+            time.sleep(0.1)
+            health = client.get("/health").json()
+        assert health["buckets"] == [256, 512, 1024] and len(health["pass_seconds"]) == 3
+    assert [line["bucket"] for line in lines("compile")] == [256, 1024]
+    assert [line["bucket"] for line in lines("compile_background")] == [512]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -85,6 +86,27 @@ def test_the_least_loaded_ready_replica_is_chosen():
     assert replicas.pick(skip=[first, second, third]) is None
     # Equally loaded, they take turns.
     assert [replicas.pick().index for _ in range(4)] == [(third.index + i) % 3 for i in range(1, 5)]
+
+
+def test_the_others_start_once_the_first_has_compiled_every_bucket(monkeypatch):
+    """With stagger the first replica fills the compile cache alone: the others start only when its /health
+    lists no bucket still compiling in the background, not as soon as it is ready."""
+    first, second = Replica(0, "cpu:0", "http://first"), Replica(1, "cpu:1", "http://second")
+    first.process = SimpleNamespace(poll=lambda: None)  # running
+    replicas, started = Replicas([first, second]), []
+    monkeypatch.setattr(replicas, "_start", started.append)
+    compiling = {"ready": True, "compiling": [512]}
+    answers = iter([compiling, compiling, {"ready": True}])
+
+    class Health:
+        def get(self, url):
+            return httpx.Response(200, json=next(answers))
+
+    for expected in ([], [], [second]):
+        replicas._look_at(first, Health())
+        replicas._start_waiting()
+        assert first.state == "ready" and started == expected
+    assert not first.compiling
 
 
 def test_the_front_scores_what_a_replica_scores_and_speaks_for_all(default_url):

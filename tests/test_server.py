@@ -390,10 +390,15 @@ def test_random_weights_are_served_at_a_config_shape(tmp_path):
 
 def test_warm_extraction_is_asked_of_the_engine_at_start(engine, monkeypatch):
     """`serve --warm-extraction` (Settings.warm_extraction) reaches Engine.warmup, which test_extraction
-    shows compiles every extraction program; without the flag the start compiles score programs only."""
+    shows compiles every extraction program, all before the server is ready; without the flag the start
+    compiles score programs only, and those of the middle buckets behind it (test_logs)."""
     asked = []
-    monkeypatch.setattr(engine, "warmup", lambda progress=None, extraction=False: asked.append(extraction))
+
+    def warmup(progress=None, extraction=False, background=False):
+        asked.append((extraction, background))
+
+    monkeypatch.setattr(engine, "warmup", warmup)
     for warm in (True, False):
         with TestClient(create_app(Settings(MODEL, warm_extraction=warm, packs={}), engine)) as client:
             assert loaded(client)["status"] == "ok"
-    assert asked == [True, False]
+    assert asked == [(True, False), (False, True)]

@@ -88,7 +88,9 @@ class Server:
             engine = engine or Engine.load(s.model, s.precision, progress, buckets=buckets)
             start = time.perf_counter()
             engine.on_pass = self.metrics.on_pass
-            engine.warmup(progress, extraction=s.warm_extraction)
+            # Ready once the smallest and largest buckets are compiled, the others joining as they compile:
+            # unless extraction's programs are wanted first, which promises nothing left to compile.
+            engine.warmup(progress, extraction=s.warm_extraction, background=not s.warm_extraction)
             self.memory_needed = engine.device_bytes_needed()
             check_fits(self.memory_needed, s.device_memory_cap_gib)
             self.packs = compile_packs(s.packs, engine.model.tokenizer)
@@ -334,6 +336,7 @@ async def health(request: Request) -> Response[api.Health]:
         body.buckets = list(engine.buckets.sizes)
         costs = engine.buckets.pass_costs
         body.pass_seconds = list(costs) if costs else None
+        body.compiling = list(engine.compiling) or None
         body.limits = {
             **server.scorer.limits.reported(
                 MediaFormats(engine.model.image_format, engine.model.audio_format)

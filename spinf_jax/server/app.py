@@ -333,9 +333,9 @@ async def health(request: Request) -> Response[api.Health]:
     )
     if engine:
         body.system_fingerprint = engine.fingerprint
-        body.buckets = list(engine.buckets.sizes)
-        costs = engine.buckets.pass_costs
-        body.pass_seconds = list(costs) if costs else None
+        buckets = engine.buckets  # one read: the compile thread may replace it meanwhile
+        body.buckets = list(buckets.sizes)
+        body.pass_seconds = list(buckets.pass_costs) if buckets.pass_costs else None
         body.compiling = list(engine.compiling) or None
         body.limits = {
             **server.scorer.limits.reported(

@@ -24,10 +24,11 @@ Reported per part: questions/s (messages/hour for the pack), useful tokens/s (co
 floors are cached after the first request), model-FLOPs utilisation (2 × linear parameters × useful tokens)
 over the fp8 GEMM peak, p50/p99 latency, the server process's CPU seconds per request (/proc: every
 thread, including the engine thread's host-side waits inside a pass on GPUs; benchmarks/host_costs.py
-measures the request work itself), and the passes it took by bucket with the share of their rows that were
-useful tokens (/metrics). Random weights at the real shape: speed does not depend on the values. The
-buckets are the server's default unless --buckets says otherwise; the library engine is warmed up as the
-server is (every bucket compiled and timed: Engine.warmup), so both cut batches by the same costs.
+measures the request work itself), the passes it took by bucket with the share of their rows that were
+useful tokens, and the share of the wall time the device had a batch to run (/metrics). Random weights at
+the real shape: speed does not depend on the values. The buckets are the server's default unless --buckets
+says otherwise; the library engine has every bucket compiled and timed (Engine.warmup), and the parts start
+once the server has too, so both cut batches by the same kind of costs.
 """
 
 import argparse
@@ -147,27 +148,32 @@ class Driver:
         }
 
 
-def passes_so_far(url: str) -> dict[int, tuple[float, float]]:
-    """The server's passes so far by bucket (/metrics' spinf_pass_seconds): size -> (count, seconds)."""
-    text = httpx.get(f"{url}/metrics", timeout=60).text
-    counts: dict[int, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != "spinf_pass_seconds":
-            continue
+def server_counters(url: str) -> tuple[dict[int, float], float]:
+    """From the server's /metrics: its passes so far by bucket size (spinf_pass_seconds_count), and the
+    seconds its device has had a batch to run (spinf_device_busy_seconds_total)."""
+    passes, busy = {}, 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
         for sample in family.samples:
-            if sample.name.endswith(("_count", "_sum")):
-                pair = counts.setdefault(int(sample.labels["bucket"]), [0.0, 0.0])
-                pair[sample.name.endswith("_sum")] += sample.value
-    return {size: (count, seconds) for size, (count, seconds) in counts.items()}
+            if sample.name == "spinf_pass_seconds_count":
+                passes[int(sample.labels["bucket"])] = sample.value
+            elif sample.name == "spinf_device_busy_seconds_total":
+                busy = sample.value
+    return passes, busy
 
 
-def passes_between(before: dict, after: dict, useful_tokens: int) -> dict:
-    """The passes a part ran: how many of each bucket, their rows, and the share of those rows that were the
-    requests' content and question tokens (the rest is padding, floors and alignment to attention blocks)."""
-    ran = {size: after[size][0] - before.get(size, (0, 0))[0] for size in after}
-    ran = {size: int(n) for size, n in sorted(ran.items()) if n}
+def between(before: tuple, after: tuple, row: dict) -> dict:
+    """What the server did during a part: its passes by bucket, their rows, the share of those rows that were
+    the requests' content and question tokens (the rest is padding, floors and alignment to attention
+    blocks), and the share of the part's wall time its device had a batch to run."""
+    ran = {size: int(n - before[0].get(size, 0)) for size, n in sorted(after[0].items())}
+    ran = {size: n for size, n in ran.items() if n}
     rows = sum(size * n for size, n in ran.items())
-    return {"passes": ran, "rows_run": rows, "rows_useful": useful_tokens / rows if rows else float("nan")}
+    return {
+        "passes": ran,
+        "rows_run": rows,
+        "rows_useful": row["useful_tokens"] / rows if rows else float("nan"),
+        "device_busy": (after[1] - before[1]) / row["seconds"],
+    }
 
 
 def questions_in(body: dict) -> int:
@@ -323,6 +329,7 @@ def table(results: dict) -> str:
         "p99 ms",
         "server CPU ms/request",
         "rows useful",
+        "device busy",
     ]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for name, row in results["rows"].items():
@@ -337,6 +344,7 @@ def table(results: dict) -> str:
             *latency,
             cpu,
             f"{row['rows_useful']:.1%}" if "rows_useful" in row else "",
+            f"{row['device_busy']:.1%}" if "device_busy" in row else "",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -417,9 +425,9 @@ def main() -> None:
         )
 
         def measure(name: str, bodies: list[dict], clients: int, questions_of=questions_in) -> None:
-            before = passes_so_far(url)
+            before = server_counters(url)
             row = driver.run(bodies, clients, args.seconds, questions_of)
-            row |= passes_between(before, passes_so_far(url), row["useful_tokens"])
+            row |= between(before, server_counters(url), row)
             row["mfu"] = mfu(row, params, results)
             results["rows"][name] = row
             save(results, out)

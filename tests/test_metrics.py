@@ -92,6 +92,13 @@ def test_a_scored_request_moves_requests_questions_tokens_and_passes(client):
         assert moved("spinf_tokens_scored_total", kind=kind) == usage[f"{kind}_tokens"], kind
     assert after.total("spinf_pass_seconds_count") > before.total("spinf_pass_seconds_count")
     assert after.label_values("spinf_pass_seconds_count", "bucket") <= {"256", "512", "1024"}
+    busy = moved("spinf_device_busy_seconds_total")  # its batch, from launch to results: within its request
+    assert (
+        0
+        < busy
+        <= after.value("spinf_request_seconds_sum", **route)
+        - before.value("spinf_request_seconds_sum", **route)
+    )
     assert after.value("spinf_queue_depth") == 0
     assert after.value("process_resident_memory_bytes") > 0 and "python_info" in after.names()
 

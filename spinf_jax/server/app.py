@@ -96,7 +96,7 @@ class Server:
             self.packs = compile_packs(s.packs, engine.model.tokenizer)
             self.scorer = Scorer(engine, packs=self.packs, calibration=s.calibration, limits=s.limits())
             self.decider = Decider(engine, calibration=s.calibration)
-            self.runner = Runner(engine, s.max_queue, s.max_delay_ms / 1000)
+            self.runner = Runner(engine, s.max_queue, s.max_delay_ms / 1000, self.metrics.on_batch)
             # Logged before /health says so, so that whoever waits for one finds the other.
             log(PROGRESS, "ready", model=engine.model.name, load_s=round(engine.model.load_seconds, 2),
                 compile_s=round(time.perf_counter() - start, 2))  # fmt: skip

@@ -90,6 +90,12 @@ class Metrics:
             buckets=PASS_SECONDS_BUCKETS,
             registry=self.registry,
         )
+        self.device_busy = Counter(
+            "spinf_device_busy_seconds",
+            "Seconds the device had a batch of passes to run, from each batch's launch to its results: over "
+            "the wall time, how busy the host and the clients keep it.",
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "spinf_queue_depth", "Requests waiting for the engine.", registry=self.registry
         )
@@ -107,6 +113,9 @@ class Metrics:
             self.questions.inc(sum(len(q.combinations) for q in result.queries))
         for kind, n in msgspec.structs.asdict(response.usage.prompt_tokens_details).items():
             self.tokens.labels(kind.removesuffix("_tokens")).inc(n)
+
+    def on_batch(self, seconds: float) -> None:
+        self.device_busy.inc(seconds)
 
     def on_pass(self, size: int, seconds: float) -> None:
         self.pass_seconds.labels(str(size)).observe(seconds)

@@ -54,8 +54,9 @@ class Ticket(Future):
 
 
 class Runner:
-    def __init__(self, engine, max_queue: int = 64, max_delay: float = 0.005):
+    def __init__(self, engine, max_queue: int = 64, max_delay: float = 0.005, on_batch=None):
         self.engine = engine
+        self.on_batch = on_batch  # optional callback(seconds from a batch's launch until the device is done)
         self.max_queue = max_queue
         self.max_delay = max_delay
         self._queue: queue.Queue[tuple[Any, Finish, Ticket] | None] = queue.Queue()
@@ -176,12 +177,14 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
             handle = exc
         else:
-            self._waiter.submit(self._note_done, handle)
+            self._waiter.submit(self._note_done, handle, start)
         return batch, handle, start
 
-    def _note_done(self, handle) -> None:
+    def _note_done(self, handle, start: float) -> None:
         try:
             handle.wait()
+            if self.on_batch:
+                self.on_batch(time.perf_counter() - start)
         finally:  # a device failure too: collect raises it for the batch's requests
             self._queue.put(_Done(handle))
 

@@ -374,7 +374,7 @@ class Engine:
         rows, seconds = [m[0] for m in measured], [m[1] for m in measured]
         sizes = tuple(sorted(set(sizes)))
         costs = [float(np.interp(size, rows, seconds)) for size in sizes]
-        return replace(self._configured, sizes=sizes, pass_costs=None).measured(costs)
+        return self._configured.with_sizes(sizes).measured(costs)
 
     def _warm_extraction_programs(self, progress: Progress | None) -> None:
         """warmup's extraction half, for the buckets passes are packed into now."""
@@ -498,7 +498,7 @@ class Engine:
         return weights + read_chunk + IN_FLIGHT * largest_pass
 
     def _bucket(self, size: int) -> Buckets:
-        return replace(self._configured, sizes=tuple(s for s in self._configured.sizes if s >= size))
+        return self._configured.with_sizes(tuple(s for s in self._configured.sizes if s >= size))
 
     def _pass_args(self, p: Pass) -> tuple:
         arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)

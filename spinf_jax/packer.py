@@ -92,6 +92,10 @@ class Buckets:
         if self.pass_costs is not None and len(self.pass_costs) != len(self.sizes):
             raise ValueError("pass_costs needs one cost per bucket size")
 
+    def with_sizes(self, sizes: tuple[int, ...]) -> "Buckets":
+        """These buckets cut to `sizes`, costed by rows again (measured costs belong to the old sizes)."""
+        return replace(self, sizes=tuple(sizes), pass_costs=None)
+
     def measured(self, seconds: list[float]) -> "Buckets":
         """These buckets, packing by the measured seconds of a pass of each size. A larger pass does at least
         a smaller one's work: a size that timed faster than a smaller one (noise) costs what that one did."""

@@ -11,6 +11,7 @@ Library use (what the server does too, and what a notebook can call directly):
 """
 
 import hashlib
+import logging
 import math
 import threading
 import time
@@ -44,7 +45,7 @@ from spinf_jax.models.layers import DecodeBatch, RecurrentState, TreeBatch, by_r
 from spinf_jax.models.params import nbytes
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
 from spinf_jax.packs.compiled import compile_packs
-from spinf_jax.progress import Progress, Steps
+from spinf_jax.progress import PROGRESS, Progress, Steps, log
 from spinf_jax.scoring import Scorer
 
 ENGINE_VERSION = "6"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
@@ -358,13 +359,26 @@ class Engine:
         return thread
 
     def _compile_rest(self, progress: Progress | None) -> None:
-        """warmup's background half: compile each size in `compiling`, then pack into it too."""
+        """warmup's background half: compile each size in `compiling`, then pack into it too. A size that
+        fails to compile (the device short of memory for autotuning beside the passes served meanwhile) is
+        left out, with an error line: the sizes served already hold every request."""
         with Steps(progress, "compile_background", len(self.compiling), "program") as step:
             for size in self.compiling:
                 start = time.perf_counter()
-                self.program(size)
-                self.buckets = self._packing((*self.buckets.sizes, size))
-                self.compiling = tuple(s for s in self.compiling if s != size)
+                try:
+                    self.program(size)
+                except Exception as exc:  # noqa: BLE001 - the server serves on without this size
+                    log(
+                        PROGRESS,
+                        "compile_failed",
+                        logging.ERROR,
+                        bucket=size,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
+                else:
+                    self.buckets = self._packing((*self.buckets.sizes, size))
+                finally:
+                    self.compiling = tuple(s for s in self.compiling if s != size)
                 step(bucket=size, seconds=round(time.perf_counter() - start, 2))
 
     def _packing(self, sizes: tuple[int, ...]) -> Buckets:

@@ -379,3 +379,21 @@ def test_a_background_warmup_packs_into_each_bucket_once_it_is_compiled():
     for got in (before, after, again):
         for tree, want in zip(got, expected, strict=True):
             np.testing.assert_array_equal(tree.logprobs, want.logprobs)
+
+
+def test_a_bucket_that_fails_to_compile_in_the_background_is_left_out(monkeypatch):
+    """The server serves on without it, with an error line: the buckets compiled before ready hold every
+    request."""
+    shared = _engine("qwen3", "fp32")
+    engine, program, logged = Engine(shared.model, shared.buckets), shared.program, []
+
+    def failing(size, args=None):
+        if size == 512 and args is None:
+            raise MemoryError("no room to autotune")
+        return program(size, args)
+
+    engine.program = failing
+    monkeypatch.setattr("spinf_jax.engine.log", lambda logger, event, level, **fields: logged.append(fields))
+    engine.warmup(background=True).join(60)
+    assert engine.buckets.sizes == (256, 1024) and engine.compiling == ()
+    assert logged == [{"bucket": 512, "error": "MemoryError: no room to autotune"}]

@@ -48,7 +48,7 @@ from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.progress import PROGRESS, Progress, Steps, log
 from spinf_jax.scoring import Scorer
 
-ENGINE_VERSION = "6"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
+ENGINE_VERSION = "7"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
 # Passes launched and not yet read back, at most (Engine.launch): the device runs one while the host launches
 # the next; each holds its outputs and temporaries on the device, so more would only take memory.
 IN_FLIGHT = 2
@@ -63,6 +63,12 @@ HISTORY_STEPS = {
     1: MAX_GENERATED_TOKENS + MAX_CLOSING_TOKENS,
     SEARCH_WIDTH: MAX_ANSWER_TOKENS + MAX_CLOSING_TOKENS,
 }
+# The most a decode step's history may hold (every row's keys and values for each of its HISTORY_STEPS
+# columns, and its recurrent layers' states): the step's largest input. At Gemma 3 12B's shape a generated
+# row's history is 54 MiB, so the 1,024 rows of a GPU step would need 54 GiB, which left no room on an 80 GB
+# H100 beside the weights and the pass's cache (start_time-h100-2026-12-05-seventeenth); at Qwen3.5-4B's a
+# row's states alone are 48 MiB. A width's steps take fewer rows where their history would not fit.
+HISTORY_BYTES = 20 << 30  # 12B: searched steps keep their 1,024 rows (18 GiB), generated ones take 256
 
 
 def decode_shapes() -> tuple[int, tuple[int, ...]]:
@@ -289,12 +295,11 @@ class Engine:
         self._warm_extraction: set[int] = set()  # bucket sizes whose extraction programs have run
         # Extraction: a pass that also hands back its keys and values, then fixed-shape decode steps of
         # [G × W] rows in buckets of decode_sizes rows (spinf_jax.extraction).
-        tile, self.decode_sizes = decode_shapes()
-        self.decode_tile = tile
+        self.decode_tile, self.decode_sizes = decode_shapes()
         self._extract = partial(_extract_pass, graphdef=graphdef, row_tile=model.row_tile)
         self._read = partial(_read_chunk, graphdef=graphdef)
-        self._first = partial(_first_candidates, graphdef=graphdef, tile=tile)
-        self._step = partial(_decode_step, graphdef=graphdef, tile=tile, block=self.buckets.block)
+        self._first = partial(_first_candidates, graphdef=graphdef)
+        self._step = partial(_decode_step, graphdef=graphdef, block=self.buckets.block)
         size = model.config.vocab_size
         self.vocabulary = vocabulary(model.tokenizer) if model.tokenizer else Vocabulary.anything(size)
         v = self.vocabulary
@@ -408,9 +413,11 @@ class Engine:
         fewer slots than that (a recurrent model's: Buckets.max_slots), no request decodes that many rows of
         that width at once, and the tree leaves them out."""
         trees, most = [], self.buckets.max_exports(self.buckets.largest) or math.inf
-        for smaller in (0, *self.decode_sizes[:-1]):
-            rows = smaller + 1  # the fewest rows that take the next size
-            searched, generated = -(-rows // SEARCH_WIDTH), rows
+        searched_sizes, generated_sizes = self.step_sizes(SEARCH_WIDTH), self.step_sizes(1)
+        for i in range(max(len(searched_sizes), len(generated_sizes))):
+            # the fewest rows that take each width's i-th size (none where that width has fewer sizes)
+            rows = [(0, *s)[i] + 1 if i < len(s) else 0 for s in (searched_sizes, generated_sizes)]
+            searched, generated = -(-rows[0] // SEARCH_WIDTH), rows[1]
             counts = {False: searched, True: generated if searched + generated <= most else 0}
             questions = [
                 QuestionKey((0,), extract=Extract(max_answers=1, max_tokens=2, generate=generate))
@@ -419,6 +426,33 @@ class Engine:
             ]
             trees.append(build_tree([0], [], questions))
         return trees
+
+    def step_sizes(self, width: int) -> tuple[int, ...]:
+        """Rows of the decode steps of slots of this width: the sizes of decode_sizes whose history fits
+        HISTORY_BYTES, else the smallest halved until it does (at least one slot). Fixed per model and width,
+        so a slot's step never depends on its companions."""
+        column, state = self._history_row_bytes
+        row = column * HISTORY_STEPS[width] + state
+        fits = tuple(size for size in self.decode_sizes if size * row <= HISTORY_BYTES)
+        if fits:
+            return fits
+        size = self.decode_sizes[0]
+        while size > width and size * row > HISTORY_BYTES:
+            size //= 2
+        return (size,)
+
+    @cached_property
+    def _history_row_bytes(self) -> tuple[int, int]:
+        """Bytes one row of a decode step holds in its history: per column, every attention layer's keys and
+        values for one token; once, every recurrent layer's state. From the pass's cache ([repeats, T, K, D]
+        per stack, a recurrent one's [repeats, slots, ...]) of a pass with one slot, traced, not run."""
+        tree = build_tree([0], [], [QuestionKey((0,), extract=Extract(max_answers=1, max_tokens=2))])
+        [p] = pack([tree], self.buckets)
+        *_, cache = jax.eval_shape(self._extract, *self._pass_args(p))
+        leaves = jax.tree.leaves(cache, is_leaf=lambda a: isinstance(a, RecurrentState))
+        states = [leaf for a in leaves if isinstance(a, RecurrentState) for leaf in jax.tree.leaves(a)]
+        kv = [a for a in leaves if not isinstance(a, RecurrentState)]
+        return tuple(sum(a.size // a.shape[1] * a.dtype.itemsize for a in part) for part in (kv, states))
 
     def _time_pass(self, size: int) -> float:
         """Seconds a pass of this size takes, its program compiled first: the pass itself, without its read
@@ -634,11 +668,11 @@ class Engine:
         reads = dict(zip(p.tree_ids, p.read_offset, strict=True))
         for width in sorted({slot.extract.width for _, slot in slots}):
             chosen = [i for i, (_, slot) in enumerate(slots) if slot.extract.width == width]
-            most = self.decode_sizes[-1] // width
+            most = self.step_sizes(width)[-1] // width
             for k in range(0, len(chosen), most):
                 group = [(slots[i], searches[i]) for i in chosen[k : k + most]]
                 rows = [reads[t] + slot.read for (t, slot), _ in group]
-                self._start([s for _, s in group], hidden, rows)
+                self._start([s for _, s in group], hidden, rows, width)
                 # The pass numbered its slots in this order (packer: recurrent states it hands over).
                 places = [
                     (*self._place(trees[t], slot, offsets[t]), i)
@@ -649,17 +683,20 @@ class Engine:
             out[t].answers.append(search.answers())
             out[t].decode_tokens += search.fed
 
-    def _rows(self, n: int) -> int:
-        """Rows of a decode program over n rows: the smallest of decode_sizes that holds them."""
-        return next(size for size in self.decode_sizes if size >= n)
+    def _rows(self, n: int, width: int) -> int:
+        """Rows of a decode program over n rows of slots of this width: the smallest step size that holds
+        them."""
+        return next(size for size in self.step_sizes(width) if size >= n)
 
-    def _start(self, searches: list[SlotSearch], hidden, rows: list[int]) -> None:
+    def _start(self, searches: list[SlotSearch], hidden, rows: list[int], width: int) -> None:
         """Start each search from the candidates read at its slot row (hidden: the pass's read rows)."""
-        n = self._rows(len(rows))
+        n = self._rows(len(rows), width)
         pick = np.zeros(n, np.int32)
         pick[: len(rows)] = rows
         kind, closing_first, ends = self._row_rules([s.extract for s in searches], n)
-        first = self._first(self._weights, hidden[pick], kind, closing_first, ends, self._masks)
+        first = self._first(
+            self._weights, hidden[pick], kind, closing_first, ends, self._masks, tile=min(self.decode_tile, n)
+        )
         for search, *candidates in zip(searches, *map(np.asarray, first)):  # noqa: B905 - padded rows
             search.start(*candidates)
 
@@ -688,7 +725,7 @@ class Engine:
 
     def _run_searches(self, searches: list[SlotSearch], places, cache, width: int) -> None:
         """Decode steps over one group of slots of one width until every search is done."""
-        n = self._rows(len(searches) * width)
+        n = self._rows(len(searches) * width, width)
         g, steps = n // width, HISTORY_STEPS[width]
 
         # [repeats, T, K, D] keys or values of the pass → [repeats, G, S, W, K, D] of the steps; a recurrent
@@ -719,8 +756,9 @@ class Engine:
             finished[live] = False
             batch = (tokens, positions, *np.where(finished, 0, groups), path, np.int32(step))
             *read, history = self._step(
-                self._weights, cache, history, self._masks, batch, kind, closing_first, ends, forced
-            )
+                self._weights, cache, history, self._masks, batch, kind, closing_first, ends, forced,
+                tile=min(self.decode_tile, n),
+            )  # fmt: skip
             lp, tok, forced_lp, outside = map(np.asarray, read)
             for i in live:
                 rows = slice(i * width, i * width + len(searches[i].live))

@@ -1,14 +1,16 @@
 """Extraction slots (issue 14): answers decoded from the pass's keys and values, the search's rules, and the
 same guarantees as scores (bits independent of companions, bucket and order)."""
 
+import json
 import math
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 from spinf_jax import engine as engine_module
-from spinf_jax.engine import Engine
+from spinf_jax.engine import HISTORY_STEPS, Engine
 from spinf_jax.extraction import CANDIDATES, SlotSearch
 from spinf_jax.layout import SEARCH_WIDTH, Extract, QuestionKey, build_tree
 from spinf_jax.loader import default_row_tile
@@ -90,6 +92,36 @@ def test_answers_bit_identical_whatever_the_companions(family, precision):
     assert plain.tobytes() == mixed.tobytes()
 
 
+def test_a_decode_step_holds_no_more_history_than_its_budget(monkeypatch):
+    """A step's history (its rows × HISTORY_STEPS columns × a row's keys and values) stays within
+    HISTORY_BYTES: where a width's step sizes would not fit (at Gemma 3 12B's shape a 1,024-row generated
+    step's is 54 GiB), its steps take fewer rows, every slot is still answered, in more steps, and a slot's
+    answers are the same whatever its companions."""
+    engine = _engine("gemma3")
+    config = json.loads((TINY / "gemma3" / "config.json").read_text())
+    kv = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 4  # fp32
+    assert engine._history_row_bytes == (kv, 0)
+    assert engine.step_sizes(1) == engine.step_sizes(SEARCH_WIDTH) == engine.decode_sizes  # 16, 32, 64
+    # 8 generated rows fit, and 24 searched ones: one slot a step of 8 rows, two a step of 16
+    monkeypatch.setattr(engine_module, "HISTORY_BYTES", 8 * HISTORY_STEPS[1] * kv)
+    assert engine.step_sizes(1) == (8,) and engine.step_sizes(SEARCH_WIDTH) == (16,)
+    held = []
+    step = engine._step
+
+    def recorded(weights, cache, history, *rest, **options):
+        held.append(sum(a.nbytes for a in jax.tree.leaves(history)))
+        return step(weights, cache, history, *rest, **options)
+
+    monkeypatch.setattr(engine, "_step", recorded)
+    questions = [SEARCH, GENERATE, CLOSED, QuestionKey((9, 8), extract=Extract(max_tokens=3, generate=True))]
+    # three searched slots: two groups
+    questions.append(QuestionKey((7, 7, 7), extract=Extract(max_answers=3, max_tokens=2)))
+    together = engine.score_trees([build_tree([2], CONTENTS[0], questions)])[0].answers
+    assert all(together) and max(held) <= engine_module.HISTORY_BYTES
+    for i, question in enumerate(questions):
+        assert engine.score_trees([build_tree([2], CONTENTS[0], [question])])[0].answers[0] == together[i]
+
+
 def test_warmup_trees_fit_a_recurrent_models_passes():
     """A recurrent model's pass holds at most max_slots slots: each warm-up tree is one pass, and its slots
     still take every decode size, generated slots where they fit beside the searched ones."""
@@ -97,8 +129,8 @@ def test_warmup_trees_fit_a_recurrent_models_passes():
     trees = engine._extraction_warmup_trees()
     searched = [sum(not s.extract.generate for s in t.slots) * SEARCH_WIDTH for t in trees]
     generated = [sum(s.extract.generate for s in t.slots) for t in trees]
-    assert [engine._rows(rows) for rows in searched] == list(engine.decode_sizes)  # 16, 32, 64 rows
-    assert [engine._rows(rows) for rows in generated[:-1]] == list(engine.decode_sizes[:-1])
+    assert [engine._rows(rows, SEARCH_WIDTH) for rows in searched] == list(engine.decode_sizes)  # 16, 32, 64
+    assert [engine._rows(rows, 1) for rows in generated[:-1]] == list(engine.decode_sizes[:-1])
     # 33 generated slots would take the 64-row step, but not beside 5 searched ones in one pass
     assert generated[-1] == 0 and len(trees[-1].slots) + 33 > engine.buckets.max_slots
     assert all(len(pack([t], engine.buckets)) == 1 for t in trees)

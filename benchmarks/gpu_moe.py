@@ -9,6 +9,7 @@ gpu_moe.json and prints a table. Each line is printed as it is measured.
 
     python3 benchmarks/gpu_moe.py --out $OUT            # on the GPU machine
     python3 benchmarks/gpu_moe.py --tokens 4096 --methods kernel,ragged_dot,dense --out $OUT  # skips the loop
+    python3 benchmarks/gpu_moe.py --tokens 4096 --precisions bf16 --methods ragged_dot,kernel --out $OUT
     python3 benchmarks/gpu_moe.py --smoke --out /tmp    # small shapes, any machine: that the script runs
 """
 
@@ -139,14 +140,18 @@ def main() -> None:
     parser.add_argument("--tokens", default="16384,4096")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--methods", default="kernel,ragged_dot,dense,loop", help="timed, in this order")
+    parser.add_argument(
+        "--precisions", default="fp8,bf16", help="in this order (ragged_dot takes bf16 weights only)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few tokens: any machine")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     shapes = SMOKE if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
     tokens = [256] if args.smoke else [int(t) for t in args.tokens.split(",")]
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "tile": TILE, "runs": []}
     for name, shape in shapes.items():
-        for precision in (Precision.FP8, Precision.BF16):
+        for precision in map(Precision, args.precisions.split(",")):
             for t in tokens:
                 results["runs"].append(run(name, shape, precision, t, args.methods.split(",")))
                 Path(args.out, "gpu_moe.json").write_text(json.dumps(results, indent=1) + "\n")

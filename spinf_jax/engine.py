@@ -43,7 +43,7 @@ from spinf_jax.models import gemma4_audio
 from spinf_jax.models.decoder import split
 from spinf_jax.models.layers import DecodeBatch, RecurrentState, TreeBatch, by_rows
 from spinf_jax.models.params import nbytes
-from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack
+from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack, prefix_costs
 from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.progress import PROGRESS, Progress, Steps, log
 from spinf_jax.scoring import Scorer
@@ -598,6 +598,11 @@ class Engine:
         """Pack trees into passes, run them, and hand back each tree's target log-probs and top tokens, and
         the answers at its extraction slots (decoded right after their pass, from its keys and values)."""
         return self.collect(self.launch(trees))
+
+    def prefix_costs(self, trees: list[Tree]) -> list[float]:
+        """Seconds the passes of each prefix of these trees would take, packed as launch packs them ([i]:
+        trees[:i]; packer.prefix_costs)."""
+        return prefix_costs(trees, self.buckets)
 
     def launch(self, trees: list[Tree]) -> Launched:
         """score_trees in two halves. This one packs the trees and starts their passes on the device without

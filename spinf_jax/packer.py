@@ -253,10 +253,28 @@ def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
     fewer passes wins. Filling each pass to the largest bucket made a batch of four 1,200-token contents one
     16,384-row pass where two of 4,096 rows do. A tree's results do not depend on its pass
     (docs/batch-invariance.md), so this choice is free."""
-    costs, sizes = [_cost(tree, buckets) for tree in trees], buckets.sizes
-    best = [0] + [math.inf] * len(trees)  # best[i]: the cheapest passes for trees[:i]
-    start_of = [0] * (len(trees) + 1)  # where the last pass of best[i] starts
-    for end in range(1, len(trees) + 1):
+    costs = [_cost(tree, buckets) for tree in trees]
+    _, start_of = _cheapest(costs, buckets)
+    groups, end = [], len(trees)
+    while end:
+        groups.append(range(start_of[end], end))
+        end = start_of[end]
+    return [_lay_out(list(group), trees, _used(group, costs), buckets) for group in reversed(groups)]
+
+
+def prefix_costs(trees: list[Tree], buckets: Buckets) -> list[float]:
+    """What pack's passes cost for each prefix of the trees: [i] for trees[:i] ([0] is 0). The runner weighs
+    launching part of a batch now against the rest by it."""
+    return _cheapest([_cost(tree, buckets) for tree in trees], buckets)[0]
+
+
+def _cheapest(costs: list[tuple[int, ...]], buckets: Buckets) -> tuple[list[float], list[int]]:
+    """pack's search over the trees' costs (_cost): the cheapest passes' cost for each prefix, and where the
+    last of those passes starts."""
+    sizes = buckets.sizes
+    best = [0] + [math.inf] * len(costs)  # best[i]: the cheapest passes for trees[:i]
+    start_of = [0] * (len(costs) + 1)  # where the last pass of best[i] starts
+    for end in range(1, len(costs) + 1):
         tokens = reads = targets = chunks = slots = bucket = 0
         for start in range(end - 1, -1, -1):  # the last pass holds trees[start:end]
             more_tokens, more_reads, more_targets, more_chunks, more_slots = costs[start]
@@ -273,11 +291,7 @@ def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
                 best[end], start_of[end] = cost, start
         if best[end] == math.inf:
             raise ValueError(f"a tree of {tokens} tokens does not fit the largest bucket ({buckets.largest})")
-    groups, end = [], len(trees)
-    while end:
-        groups.append(range(start_of[end], end))
-        end = start_of[end]
-    return [_lay_out(list(group), trees, _used(group, costs), buckets) for group in reversed(groups)]
+    return best, start_of
 
 
 def _used(group: range, costs: list[tuple[int, ...]]) -> tuple[int, ...]:

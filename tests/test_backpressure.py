@@ -33,6 +33,11 @@ class SlowEngine:
         self.gate = threading.Event()
         self.scored: list[list] = []
 
+    @staticmethod
+    def prefix_costs(trees):
+        """A pass per token: no prefix costs less per token than the whole batch."""
+        return [float(sum(len(t) for t in trees[:i])) for i in range(len(trees) + 1)]
+
     def launch(self, trees):
         """Engine.launch's handle: here the work happens when it is collected."""
         return SimpleNamespace(trees=trees, wait=self.gate.wait)
@@ -220,6 +225,7 @@ def test_the_first_batch_is_read_before_the_next_is_launched():
 
     class Device:
         buckets = SimpleNamespace(largest=10**9)
+        prefix_costs = staticmethod(SlowEngine.prefix_costs)
 
         def launch(self, trees):
             events.append(("launch", len(trees)))
@@ -250,3 +256,46 @@ def test_the_first_batch_is_read_before_the_next_is_launched():
     assert events == [("launch", 1), ("read", 1), ("launch", 6), ("read", 6)]
     # Answers are built on two threads: their order among themselves is not fixed.
     assert sorted(answers) == [1, 2, 2, 2]
+
+
+class Buckets2048:
+    """Passes in buckets every 2,048 rows, a pass costing its rows: what Engine.prefix_costs gives."""
+
+    buckets = SimpleNamespace(largest=10**9)
+
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    @staticmethod
+    def prefix_costs(trees):
+        return [float(-(-sum(len(t) for t in trees[:i]) // 2048) * 2048) for i in range(len(trees) + 1)]
+
+    def launch(self, trees):
+        self.events.append(("launch", len(trees)))
+        return SimpleNamespace(trees=trees, wait=self.done.wait)
+
+    def collect(self, launched):
+        return [len(t) for t in launched.trees]
+
+
+def test_a_batch_leaves_its_last_requests_for_the_next_where_that_costs_less_per_token():
+    """Six 1,200-token requests that came while a pass ran: five fill 6,144 rows (98% useful), six would
+    take 8,192 (88%), so the sixth leads the next batch, and is launched with it whatever that costs; every
+    request is answered. A batch gathered with the device idle goes whole."""
+    device = Buckets2048()
+    runner = Runner(device, max_queue=16, max_delay=0.0)
+    first = _submit(runner, 1200)
+    deadline = time.monotonic() + 10
+    while not device.events:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    later = [_submit(runner, 1200) for _ in range(6)]
+    time.sleep(0.1)
+    device.done.set()
+    assert [f.result(timeout=10) for f in [first, *later]] == [[1200]] * 7
+    runner.close()
+    assert device.events == [("launch", 1), ("launch", 5), ("launch", 1)]
+    # Held once at most: with a held request at its head a batch launches at least that one.
+    batch = [(SimpleNamespace(trees=[[0] * n]), None, SimpleNamespace(tokens=n)) for n in (2000, 600)]
+    assert runner._split(batch, 0) == (batch[:1], batch[1:])  # 2,048 rows for 2,000 tokens, not 4,096
+    assert runner._split(batch, 2) == (batch, [])

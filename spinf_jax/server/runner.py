@@ -6,7 +6,9 @@ is the next batch launched: launching a pass holds this thread until the device 
 H200 at the Gemma 3 12B shape, 458 ms of a 528 ms pass: the host can only queue so much ahead), so answers
 read after a launch went out most of a pass late. This thread does nothing but read results and launch
 passes, and between them it sleeps on the queue: a waiter thread tells it when the device is done (_Done).
-Scores do not depend on what shares a pass (see packer), so batching never changes an answer.
+A batch gathered while the device was busy may launch without its last requests, where its passes cost less
+per token without them; they lead the next batch (_split). Scores do not depend on what shares a pass (see
+packer), so batching never changes an answer.
 
 It also knows how long the queue will take (tokens waiting over the tokens per second it measured), which is
 what a full queue tells clients to wait (Retry-After), and it drops the requests whose clients left. Each
@@ -18,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import accumulate
 from typing import Any
 
 from spinf_jax.errors import ScoringError
@@ -61,6 +64,7 @@ class Runner:
         self.max_delay = max_delay
         self._queue: queue.Queue[tuple[Any, Finish, Ticket] | None] = queue.Queue()
         self._pending = 0  # requests queued, not yet gathered into a pass
+        self._held: list[tuple[Any, Finish, Ticket]] = []  # gathered, left for the next batch (_split)
         self._tokens_left = 0  # tokens of every request accepted and not yet answered
         self._tokens_per_second: float | None = None  # measured over recent passes
         self._closed = False
@@ -110,19 +114,24 @@ class Runner:
         if not self._thread.is_alive():  # else it may still hand its last batch to the finishers
             self._finishers.shutdown(wait=True)
             self._waiter.shutdown(wait=False)
+        stopping = ScoringError("shutting_down", "the server is stopping; retry shortly")
+        for _, _, ticket in self._held if self._thread.is_alive() else []:  # held, never launched
+            if not ticket.done():
+                ticket.set_exception(stopping)
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
             if item is not None and not isinstance(item, _Done):
-                item[2].set_exception(ScoringError("shutting_down", "the server is stopping; retry shortly"))
+                item[2].set_exception(stopping)
 
-    def _gather(self, first: tuple | None, busy=None) -> list[tuple[Any, Finish, Ticket]]:
-        """The next batch: with the device idle, `first` and what arrives within max_delay of it; with a
-        batch on the device (`busy`, Engine.launch's handle), whatever arrives until that batch is done, and
-        it returns once that batch is done. Either way no more than fills the largest bucket."""
-        batch, tokens = ([first], first[2].tokens) if first else ([], 0)
+    def _gather(self, batch: list, busy=None) -> list[tuple[Any, Finish, Ticket]]:
+        """The next batch, after `batch` (the first request, or those held from the last batch): with the
+        device idle, what arrives within max_delay; with a batch on the device (`busy`, Engine.launch's
+        handle), whatever arrives until that batch is done, and it returns once that batch is done. Either
+        way no more than fills the largest bucket."""
+        tokens = sum(ticket.tokens for _, _, ticket in batch)
         deadline = time.monotonic() + self.max_delay
         done = busy is None
         while tokens < self.engine.buckets.largest:
@@ -156,19 +165,46 @@ class Runner:
                     return
                 if isinstance(first, _Done):  # a launch waited for already
                     continue
-                batch = self._gather(first)
+                held, batch = [], self._gather([first])
             elif isinstance(handle := on_device[1], Exception):  # nothing on the device after all
-                batch = []
+                held, batch = self._held, list(self._held)
             else:
-                batch = self._gather(None, busy=handle)
+                held, batch = self._held, self._gather(list(self._held), busy=handle)
+            fresh = batch[len(held) :]
             # A cancelled future is a client that left while queued: its plan is dropped here.
-            live = [item for item in batch if item[2].set_running_or_notify_cancel()]
+            live = held + [item for item in fresh if item[2].set_running_or_notify_cancel()]
             with self._lock:
-                self._pending -= len(batch)
-                self._tokens_left -= sum(ticket.tokens for _, _, ticket in batch if ticket.cancelled())
+                self._pending -= len(fresh)
+                self._tokens_left -= sum(ticket.tokens for _, _, ticket in fresh if ticket.cancelled())
+            # Holding requests back only pays while traffic keeps coming: a batch gathered with the device
+            # idle goes whole.
+            busy = on_device is not None and not isinstance(on_device[1], Exception)
             if on_device is not None:
                 self._answer(*on_device)
-            on_device = self._launch(live) if live else None
+            now, self._held = self._split(live, len(held)) if busy and not self._closed else (live, [])
+            on_device = self._launch(now) if now else None
+
+    def _split(self, batch: list, least: int) -> tuple[list, list]:
+        """The batch cut in two where its passes cost least per token: its first n requests (never fewer
+        than `least`, the ones held last time, so none waits more than one batch longer) are launched, the
+        rest lead the next batch, whose new requests fill their passes. With 8 clients sending one article
+        each, the batches took turns at 2 and 6 requests, 4,096 + 8,192 rows for 8 requests (77% useful;
+        http_throughput-h100-2026-12-05-run12-fine): holding one back turns them into 3 and 5, 4,096 + 6,144
+        rows. Of equal costs per token, the longer prefix wins."""
+        if len(batch) <= max(least, 1):
+            return batch, []
+        try:
+            costs = self.engine.prefix_costs([tree for plan, _, _ in batch for tree in plan.trees])
+        except Exception:  # noqa: BLE001 - a tree that fits no bucket: launching the batch reports it
+            return batch, []
+        ends = list(accumulate(len(plan.trees) for plan, _, _ in batch))  # trees up to each request
+        tokens = list(accumulate(ticket.tokens for _, _, ticket in batch))
+
+        def per_token(n: int) -> tuple[float, int]:
+            return costs[ends[n - 1]] / max(1, tokens[n - 1]), -n
+
+        n = min(range(max(least, 1), len(batch) + 1), key=per_token)
+        return batch[:n], batch[n:]
 
     def _launch(self, batch: list[tuple[Any, Finish, Ticket]]):
         start = time.perf_counter()

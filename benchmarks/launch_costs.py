@@ -82,7 +82,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine, request = warm_seed_engine(args)
-    trees = engine._scorer.plan(request).trees
+    trees = engine.service.scorer.plan(request).trees
     passes = pack(trees, engine.buckets)
     first = {p.size: p for p in reversed(passes)}
     times = [launch_times(engine, p, args.repeats) for p in sorted(first.values(), key=lambda p: p.size)]

@@ -10,5 +10,6 @@ from spinf_jax.errors import ScoringError
 from spinf_jax.loader import load_model
 from spinf_jax.models.layers import TreeBatch
 from spinf_jax.quant import Precision
+from spinf_jax.service import Service
 
-__all__ = ["Engine", "Precision", "ScoringError", "TreeBatch", "load_model"]
+__all__ = ["Engine", "Precision", "ScoringError", "Service", "TreeBatch", "load_model"]

@@ -168,10 +168,8 @@ def _calibrate(args, item) -> int:
 
     from tqdm import tqdm
 
-    from spinf_jax.engine import Engine
     from spinf_jax.packs import calibrate
-    from spinf_jax.packs.compiled import compile_pack
-    from spinf_jax.scoring import Scorer
+    from spinf_jax.service import Service
 
     normal = calibrate.read_rows(args.traffic)
     labelled = calibrate.read_rows(args.labelled, labelled=True) if args.labelled else []
@@ -182,8 +180,7 @@ def _calibrate(args, item) -> int:
             print(f"spinf-jax packs: --target: {label!r} is not a label of {item.pack.id}", file=sys.stderr)
             return 2
         targets[label] = float(value)
-    engine = Engine.load(args.model, args.precision)
-    scorer = Scorer(engine, packs={item.pack.id: compile_pack(item, engine.model.tokenizer)})
+    scorer = Service.load(args.model, args.precision, packs={item.pack.id: item}).scorer
     with tqdm(total=len(normal) + len(labelled), desc=f"scoring {item.pack.id}", unit="row") as bar:
         pack, report = calibrate.calibrate_pack(scorer, item.pack, normal, labelled, targets, bar)
     out = Path(args.out) if args.out else item.path
@@ -203,18 +200,16 @@ def _calibration(args) -> int:
     from tqdm import tqdm
 
     from spinf_jax import calibration
-    from spinf_jax.decisions import Decider
-    from spinf_jax.engine import Engine
     from spinf_jax.labelled import RowError, fit_workload, read_rows, score_rows
-    from spinf_jax.scoring import Scorer
+    from spinf_jax.service import Service
 
     try:
         rows = read_rows(args.rows, args.workload, args.orderings)
     except (OSError, RowError) as e:
         print(f"spinf-jax calibrate: {e}", file=sys.stderr)
         return 2
-    engine = Engine.load(args.model, args.precision)
-    decider, scorer = Decider(engine), Scorer(engine)
+    service = Service.load(args.model, args.precision)
+    engine, decider, scorer = service.engine, service.decider, service.scorer
     try:
         with tqdm(total=len(rows), desc="scoring", unit="row") as bar:
             scored = list(score_rows(decider, scorer, rows, bar))
@@ -310,19 +305,12 @@ def _score(args) -> int:
             template["model"] = args.model
         backend = Client(args.url, args.api_key).score
     else:
-        from spinf_jax.engine import Engine
-        from spinf_jax.loader import DEFAULT_MODEL
-        from spinf_jax.packer import Buckets
-        from spinf_jax.packs.compiled import compile_packs
         from spinf_jax.packs.loader import load_packs
-        from spinf_jax.scoring import Scorer
+        from spinf_jax.service import Service
 
-        buckets = {"buckets": Buckets(args.buckets)} if args.buckets else {}
-        engine = Engine.load(args.model or DEFAULT_MODEL, args.precision, **buckets)
-        packs = compile_packs(
-            load_packs(args.packs, official=not args.no_official_packs), engine.model.tokenizer
-        )
-        backend = bulk.in_process(Scorer(engine, packs=packs))
+        packs = load_packs(args.packs, official=not args.no_official_packs)
+        service = Service.load(args.model, args.precision, buckets=args.buckets, packs=packs)
+        backend = bulk.in_process(service.scorer)
     with tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
         summary = bulk.run(source, out, template, backend, args.batch, bar, args.in_flight or 1)
     bulk.report(summary)

@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,6 @@ from flax import nnx
 
 from spinf_jax import audio, media
 from spinf_jax.answers import Vocabulary, vocabulary
-from spinf_jax.decisions import Decider
 from spinf_jax.extraction import CANDIDATES, Decoded, SlotSearch, path_columns
 from spinf_jax.layout import (
     MAX_ANSWER_TOKENS,
@@ -44,9 +44,10 @@ from spinf_jax.models.decoder import split
 from spinf_jax.models.layers import DecodeBatch, RecurrentState, TreeBatch, by_rows
 from spinf_jax.models.params import nbytes
 from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack, prefix_costs
-from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.progress import PROGRESS, Progress, Steps, log
-from spinf_jax.scoring import Scorer
+
+if TYPE_CHECKING:
+    from spinf_jax.service import Service
 
 ENGINE_VERSION = "7"  # bump whenever the engine's arithmetic changes (it is part of the fingerprint)
 # Passes launched and not yet read back, at most (Engine.launch): the device runs one while the host launches
@@ -309,8 +310,6 @@ class Engine:
         self._masks = jnp.asarray(table)
         self._ends = table[ENDS]
         self._excluded: dict[tuple[int, ...], frozenset[int]] = {}  # closing ids → tokens barred inside
-        self._scorer: Scorer | None = None  # score()'s, with the official packs
-        self._decider: Decider | None = None  # decide()'s
 
     @classmethod
     def load(
@@ -770,20 +769,22 @@ class Engine:
                 searches[i].advance(lp[rows], tok[rows], forced_lp[rows], outside[rows])
 
     def score(self, body: dict) -> dict:
-        """A scoring request (SPEC section 1) → the scoring response (section 2): the library's entry point,
-        the same path the server takes (spinf_jax.scoring), with the default limits and the official prompt
-        packs (compiled on first use; `Scorer(engine, packs=...)` takes others)."""
-        if self._scorer is None:
-            self._scorer = Scorer(self, packs=compile_packs(None, self.model.tokenizer))
-        return self._scorer.score(body)
+        """A scoring request (SPEC section 1) → the scoring response (section 2), through `service`: the
+        same path the server takes (spinf_jax.scoring)."""
+        return self.service.score(body)
 
     def decide(self, body: dict) -> dict:
         """A decision (SPEC section 5: {id, state, question, options, orderings?}) → its result, or a shared
-        request ({state, decisions: [...]}) → every decision's (spinf_jax.decisions; no workloads here:
-        `Decider(engine, calibration=load_calibration(path))` takes a calibration file)."""
-        if self._decider is None:
-            self._decider = Decider(self)
-        return self._decider.decide(body)
+        request ({state, decisions: [...]}) → every decision's, through `service` (spinf_jax.decisions)."""
+        return self.service.decide(body)
+
+    @cached_property
+    def service(self) -> "Service":
+        """This engine's Service with the default limits, the official prompt packs and no workloads, built
+        on first use (`Service.over(engine, packs=..., calibration=...)` builds others)."""
+        from spinf_jax.service import Service  # it builds on this module
+
+        return Service.over(self)
 
     def cached_floors(self, keys) -> dict[QuestionKey, np.ndarray]:
         """The floors (option log-probs on empty content) of those questions that are cached."""

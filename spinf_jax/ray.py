@@ -45,23 +45,12 @@ class Scores:
     ):
         """`random_weights`: for benchmarks, made-up weights at the shape of this transformers config.json
         with `model`'s tokenizer (as `serve --random-weights`)."""
-        from spinf_jax.engine import Engine
-        from spinf_jax.loader import DEFAULT_MODEL, random_model
-        from spinf_jax.packer import Buckets
-        from spinf_jax.packs.compiled import compile_packs
         from spinf_jax.packs.loader import load_packs
-        from spinf_jax.scoring import Scorer
+        from spinf_jax.service import Service
 
-        sizes = {"buckets": Buckets(tuple(buckets))} if buckets else {}
-        if random_weights is not None:
-            engine = Engine(
-                random_model(random_weights, model or DEFAULT_MODEL, precision or "bf16"), **sizes
-            )
-        else:
-            engine = Engine.load(model or DEFAULT_MODEL, precision, **sizes)
-        sources = load_packs(list(pack_sources), official=official_packs)
-        compiled = compile_packs(sources, engine.model.tokenizer)
-        self.backend = bulk.in_process(Scorer(engine, packs=compiled))
+        loaded = load_packs(list(pack_sources), official=official_packs)
+        service = Service.load(model, precision, buckets=buckets, random_weights=random_weights, packs=loaded)
+        self.backend = bulk.in_process(service.scorer)
         self.template = template(scoring, packs)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

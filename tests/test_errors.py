@@ -187,9 +187,9 @@ def test_server_codes_are_reachable(client, monkeypatch):
     monkeypatch.setattr(server.runner, "max_queue", 0)
     reached.add(code_of(client.post("/v1/score", json=_body()), 429))
     monkeypatch.setattr(server.runner, "max_queue", 1)
-    monkeypatch.setattr(server.scorer, "plan", _failing_plan("RESOURCE_EXHAUSTED: out of memory"))
+    monkeypatch.setattr(server.service.scorer, "plan", _failing_plan("RESOURCE_EXHAUSTED: out of memory"))
     reached.add(code_of(client.post("/v1/score", json=_body()), 503))
-    monkeypatch.setattr(server.scorer, "plan", _failing_plan("a bug"))
+    monkeypatch.setattr(server.service.scorer, "plan", _failing_plan("a bug"))
     reached.add(code_of(client.post("/v1/score", json=_body()), 500))
     assert client.post("/v1/score", json=_body()).status_code == 500  # still up, still answering
     # No body arrives in no time (a body that really stops halfway: test_backpressure).
@@ -199,7 +199,7 @@ def test_server_codes_are_reachable(client, monkeypatch):
     stopped = Runner(server.engine)
     stopped.close()
     with pytest.raises(ScoringError) as e:
-        stopped.submit(None, server.scorer.finish)
+        stopped.submit(None, server.service.scorer.finish)
     reached.add(e.value.code)
 
     loading = Server(Settings("spinf/gemma-3-270m"))

@@ -282,7 +282,7 @@ def test_no_body_gets_a_5xx_and_the_bits_stay(client, monkeypatch):
         _answered(response, path)
         scored.append(response.status_code == 200)
 
-    scorer = client.app.state.server.scorer
+    scorer = client.app.state.server.service.scorer
     with monkeypatch.context() as patch:
         patch.setattr(scorer, "limits", dataclasses.replace(scorer.limits, max_request_tokens=1))
         bulk_bodies()

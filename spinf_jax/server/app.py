@@ -20,15 +20,12 @@ from litestar.types import ASGIApp
 
 from spinf_jax import api
 from spinf_jax.compiler import MediaFormats
-from spinf_jax.decisions import Decider
 from spinf_jax.decoding import decode
 from spinf_jax.engine import Engine, scoring_device
 from spinf_jax.loader import random_model
 from spinf_jax.packer import Buckets, default_sizes
-from spinf_jax.packs.compiled import CompiledPack, compile_packs
 from spinf_jax.packs.loader import describe
 from spinf_jax.progress import PROGRESS, Progress, log
-from spinf_jax.scoring import Scorer
 from spinf_jax.server.auth import ApiKeys
 from spinf_jax.server.errors import (
     EXCEPTION_HANDLERS,
@@ -41,6 +38,7 @@ from spinf_jax.server.memory import check_fits
 from spinf_jax.server.metrics import DISCONNECTED, UNMATCHED, Metrics
 from spinf_jax.server.runner import QueueFull, Runner
 from spinf_jax.server.settings import Settings
+from spinf_jax.service import Service
 
 MAX_BODY = 2 * 1024 * 1024
 # How a key is sent (server/auth.py), for the OpenAPI document; routes that take one list KEYED (the key is
@@ -62,17 +60,18 @@ class Server:
 
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
-    engine: Engine | None = None
-    scorer: Scorer | None = None
-    decider: Decider | None = None
+    service: Service | None = None  # once loaded and compiled: the server is ready
     runner: Runner | None = None
     failure: str | None = None
     ready_at: int | None = None
     memory_needed: int | None = None  # bytes: the largest pass's peak (Engine.device_bytes_needed)
-    packs: dict[str, CompiledPack] = field(default_factory=dict)  # compiled for the model's tokenizer
 
     def __post_init__(self):
         self.metrics.read_queue_depth(lambda: self.runner.depth if self.runner else 0)
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.service.engine if self.service else None
 
     def start(self, engine: Engine | None = None) -> None:
         threading.Thread(target=self._load, args=(engine,), name="spinf-load", daemon=True).start()
@@ -93,14 +92,12 @@ class Server:
             engine.warmup(progress, extraction=s.warm_extraction, background=not s.warm_extraction)
             self.memory_needed = engine.device_bytes_needed()
             check_fits(self.memory_needed, s.device_memory_cap_gib)
-            self.packs = compile_packs(s.packs, engine.model.tokenizer)
-            self.scorer = Scorer(engine, packs=self.packs, calibration=s.calibration, limits=s.limits())
-            self.decider = Decider(engine, calibration=s.calibration)
+            service = Service.over(engine, packs=s.packs, calibration=s.calibration, limits=s.limits())
             self.runner = Runner(engine, s.max_queue, s.max_delay_ms / 1000, self.metrics.on_batch)
             # Logged before /health says so, so that whoever waits for one finds the other.
             log(PROGRESS, "ready", model=engine.model.name, load_s=round(engine.model.load_seconds, 2),
                 compile_s=round(time.perf_counter() - start, 2))  # fmt: skip
-            self.engine = engine
+            self.service = service
             self.ready_at = int(time.time())
         except Exception as exc:  # noqa: BLE001 - reported by /health and every request
             failure = f"{type(exc).__name__}: {exc}"
@@ -186,8 +183,9 @@ async def _score(request: Request, body: api.ScoreRequest) -> api.ScoreResponse:
     server = _server(request)
     server.require_ready()
     server.check_model(body.model)
-    plan = await anyio.to_thread.run_sync(server.scorer.plan, body)
-    response = await server.answer(request, plan, server.scorer.finish)
+    scorer = server.service.scorer
+    plan = await anyio.to_thread.run_sync(scorer.plan, body)
+    response = await server.answer(request, plan, scorer.finish)
     if body.model is not None:
         response.model = body.model
     server.metrics.scored(response)
@@ -262,8 +260,9 @@ async def _decide(request: Request, body: api.DecideRequest | api.SharedDecideRe
     server = _server(request)
     server.require_ready()
     server.check_model(body.model)
-    plan = await anyio.to_thread.run_sync(server.decider.plan, body)
-    return await server.answer(request, plan, server.decider.finish)
+    decider = server.service.decider
+    plan = await anyio.to_thread.run_sync(decider.plan, body)
+    return await server.answer(request, plan, decider.finish)
 
 
 @post("/decide", summary="One typed decision over a state (docs/decisions.md)", **SCORING_ROUTE)
@@ -306,7 +305,7 @@ async def models(request: Request) -> api.ModelList:
 async def packs(request: Request) -> api.PackList:
     server = _server(request)
     server.require_ready()
-    return api.PackList(data=[describe(p.loaded) for p in server.packs.values()])
+    return api.PackList(data=[describe(p.loaded) for p in server.service.packs.values()])
 
 
 @get(
@@ -338,12 +337,12 @@ async def health(request: Request) -> Response[api.Health]:
         body.pass_seconds = list(buckets.pass_costs) if buckets.pass_costs else None
         body.compiling = list(engine.compiling) or None
         body.limits = {
-            **server.scorer.limits.reported(
+            **server.service.scorer.limits.reported(
                 MediaFormats(engine.model.image_format, engine.model.audio_format)
             ),
             "max_body_bytes": MAX_BODY,
         }
-        body.packs = [describe(p.loaded) for p in server.packs.values()]
+        body.packs = [describe(p.loaded) for p in server.service.packs.values()]
         calibration = server.settings.calibration
         body.workloads = {n: w.temperature for n, w in calibration.workloads.items()} if calibration else None
         device = scoring_device()

@@ -78,6 +78,9 @@ def arguments() -> argparse.Namespace:
     )
     parser.add_argument("--a-articles", type=int, default=2, help="articles for baseline A (it is slow)")
     parser.add_argument("--compile-cache", help="compiled programs, kept across runs (default: OUT/xla)")
+    parser.add_argument(
+        "--serve-args", default="", help="more `spinf-jax serve` flags, e.g. --serve-args=--no-hold-back"
+    )
     parser.add_argument("--out", default=".")
     return parser.parse_args()
 
@@ -361,6 +364,7 @@ def main() -> None:
         "jax": jax.__version__,
         "precision": args.precision,
         "buckets": args.buckets,
+        "serve_args": args.serve_args,
         "seconds_per_part": args.seconds,
         "weights": f"made-up (loader.random_model, seed 0) at the shape of {config.name}",
         "rows": {},
@@ -404,6 +408,7 @@ def main() -> None:
         "256",
         "--log-level",
         "warning",
+        *args.serve_args.split(),
     ]
     start = time.perf_counter()
     process, url = start_server(serve, out / "server.log")

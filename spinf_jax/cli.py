@@ -477,6 +477,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-auth", action="store_true", help="/metrics asks for a key too")
     p.add_argument("--max-queue", default="64", help="requests waiting beyond this get 429")
     p.add_argument("--max-delay-ms", default="5", help="longest wait for company in a pass")
+    p.add_argument(
+        "--no-hold-back",
+        dest="hold_back",
+        action="store_false",
+        help="launch every request gathered for a pass at once, however much padding that costs",
+    )
     p.add_argument("--buckets", help="pass sizes in tokens, comma-separated (default by backend)")
     p.add_argument(
         "--device-memory-cap", metavar="GIB", help="the most device memory to use (docs/configuration.md)"

@@ -278,12 +278,14 @@ class Buckets2048:
         return [len(t) for t in launched.trees]
 
 
-def test_a_batch_leaves_its_last_requests_for_the_next_where_that_costs_less_per_token():
+@pytest.mark.parametrize("hold_back, launches", [(True, [1, 5, 1]), (False, [1, 6])])
+def test_a_batch_leaves_its_last_requests_for_the_next_where_that_costs_less_per_token(hold_back, launches):
     """Six 1,200-token requests that came while a pass ran: five fill 6,144 rows (98% useful), six would
     take 8,192 (88%), so the sixth leads the next batch, and is launched with it whatever that costs; every
-    request is answered. A batch gathered with the device idle goes whole."""
+    request is answered. A batch gathered with the device idle goes whole. `serve --no-hold-back` launches
+    the six at once."""
     device = Buckets2048()
-    runner = Runner(device, max_queue=16, max_delay=0.0)
+    runner = Runner(device, max_queue=16, max_delay=0.0, hold_back=hold_back)
     first = _submit(runner, 1200)
     deadline = time.monotonic() + 10
     while not device.events:
@@ -294,7 +296,7 @@ def test_a_batch_leaves_its_last_requests_for_the_next_where_that_costs_less_per
     device.done.set()
     assert [f.result(timeout=10) for f in [first, *later]] == [[1200]] * 7
     runner.close()
-    assert device.events == [("launch", 1), ("launch", 5), ("launch", 1)]
+    assert device.events == [("launch", n) for n in launches]
     # Held once at most: with a held request at its head a batch launches at least that one.
     batch = [(SimpleNamespace(trees=[[0] * n]), None, SimpleNamespace(tokens=n)) for n in (2000, 600)]
     assert runner._split(batch, 0) == (batch[:1], batch[1:])  # 2,048 rows for 2,000 tokens, not 4,096

@@ -93,7 +93,9 @@ class Server:
             self.memory_needed = engine.device_bytes_needed()
             check_fits(self.memory_needed, s.device_memory_cap_gib)
             service = Service.over(engine, packs=s.packs, calibration=s.calibration, limits=s.limits())
-            self.runner = Runner(engine, s.max_queue, s.max_delay_ms / 1000, self.metrics.on_batch)
+            self.runner = Runner(
+                engine, s.max_queue, s.max_delay_ms / 1000, self.metrics.on_batch, hold_back=s.hold_back
+            )
             # Logged before /health says so, so that whoever waits for one finds the other.
             log(PROGRESS, "ready", model=engine.model.name, load_s=round(engine.model.load_seconds, 2),
                 compile_s=round(time.perf_counter() - start, 2))  # fmt: skip

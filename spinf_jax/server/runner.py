@@ -57,8 +57,11 @@ class Ticket(Future):
 
 
 class Runner:
-    def __init__(self, engine, max_queue: int = 64, max_delay: float = 0.005, on_batch=None):
+    def __init__(
+        self, engine, max_queue: int = 64, max_delay: float = 0.005, on_batch=None, hold_back: bool = True
+    ):
         self.engine = engine
+        self.hold_back = hold_back  # whether a batch may leave requests to the next (_split)
         self.on_batch = on_batch  # optional callback(seconds from a batch's launch until the device is done)
         self.max_queue = max_queue
         self.max_delay = max_delay
@@ -181,7 +184,8 @@ class Runner:
             busy = on_device is not None and not isinstance(on_device[1], Exception)
             if on_device is not None:
                 self._answer(*on_device)
-            now, self._held = self._split(live, len(held)) if busy and not self._closed else (live, [])
+            hold = busy and self.hold_back and not self._closed
+            now, self._held = self._split(live, len(held)) if hold else (live, [])
             on_device = self._launch(now) if now else None
 
     def _split(self, batch: list, least: int) -> tuple[list, list]:

@@ -40,6 +40,9 @@ class Settings:
     metrics_auth: bool = False  # /metrics asks for a key too
     max_queue: int = 64
     max_delay_ms: float = 5.0
+    # A batch gathered while the device was busy may leave its last requests to the next (server.runner):
+    # fewer padding rows, up to one pass more for those requests.
+    hold_back: bool = True
     served_names: tuple[str, ...] = ()  # extra names the model answers to (e.g. the hosted service's)
     # The weights and the largest pass must fit in this (checked once compiled: the server refuses to serve
     # otherwise); on GPUs the allocator is held to it too.
@@ -171,6 +174,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         metrics_auth=args.metrics_auth,
         max_queue=max_queue,
         max_delay_ms=max_delay_ms,
+        hold_back=args.hold_back,
         served_names=tuple(args.served_model_name),
         device_memory_cap_gib=cap_gib,
         progress=True,

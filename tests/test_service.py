@@ -4,7 +4,9 @@ and notebooks build them."""
 from spinf_jax.compiler import Limits
 from spinf_jax.packs.loader import load_packs
 from spinf_jax.service import Service
-from tests.spec_example import SPEC_REQUEST
+
+REFUND = {"id": "refund", "template": "\n\nA refund?\nAnswer:{?}", "options": [" yes", " no"]}
+BODY = {"messages": [{"content": "I was charged twice for September."}], "scoring": {"queries": [REFUND]}}
 
 
 def test_a_service_is_one_engine_with_its_scorer_and_decider(gemma_engine):
@@ -16,5 +18,5 @@ def test_a_service_is_one_engine_with_its_scorer_and_decider(gemma_engine):
     assert service.scorer.limits is service.decider.limits is limits and service.packs == {}
     assert gemma_engine.service is gemma_engine.service and gemma_engine.service.scorer.limits == Limits()
     assert set(gemma_engine.service.packs) == set(load_packs()) != set()
-    results = gemma_engine.score(SPEC_REQUEST)["results"]  # it names an official pack
-    assert results == gemma_engine.service.score(SPEC_REQUEST)["results"]
+    results = gemma_engine.score(BODY)["results"]
+    assert results == gemma_engine.service.score(BODY)["results"] == service.score(BODY)["results"]

@@ -17,6 +17,7 @@ import json
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,12 +73,9 @@ def drive(plans: list, seconds: dict[int, float], clients: int, duration: float,
             answered.append(n % len(plans))
             n += clients
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
     begin = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
     wall = time.monotonic() - begin
     runner.close()
     latencies.sort()

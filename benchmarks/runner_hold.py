@@ -27,13 +27,13 @@ from http_throughput import article_bodies
 
 from spinf_jax.engine import Engine
 from spinf_jax.loader import random_model
-from spinf_jax.packer import Buckets, pack, prefix_costs
+from spinf_jax.packer import Buckets, cut
 from spinf_jax.scoring import Scorer
 from spinf_jax.server.runner import Runner
 
 
 class SimulatedDevice:
-    """Engine.launch / collect / prefix_costs over the real packer; a batch is done once its passes' measured
+    """Engine.launch / collect / cut over the real packer; a batch is done once its passes' measured
     seconds have gone by."""
 
     def __init__(self, seconds: dict[int, float]):
@@ -42,11 +42,11 @@ class SimulatedDevice:
         self.passes: Counter = Counter()
         self.rows = self.tokens = 0
 
-    def prefix_costs(self, trees):
-        return prefix_costs(trees, self.buckets)
+    def cut(self, trees):
+        return cut(trees, self.buckets)
 
-    def launch(self, trees):
-        passes = pack(trees, self.buckets)
+    def launch(self, trees, cuts=None):
+        passes = (cuts or self.cut(trees)).passes(len(trees))
         self.passes.update(p.size for p in passes)
         self.rows += sum(p.size for p in passes)
         self.tokens += sum(len(t) for t in trees)

@@ -43,7 +43,7 @@ from spinf_jax.models import gemma4_audio
 from spinf_jax.models.decoder import split
 from spinf_jax.models.layers import DecodeBatch, RecurrentState, TreeBatch, by_rows
 from spinf_jax.models.params import nbytes
-from spinf_jax.packer import READ_CHUNK, Buckets, Pass, pack, prefix_costs
+from spinf_jax.packer import READ_CHUNK, Buckets, Cuts, Pass, cut, pack
 from spinf_jax.progress import PROGRESS, Progress, Steps, log
 
 if TYPE_CHECKING:
@@ -598,18 +598,18 @@ class Engine:
         the answers at its extraction slots (decoded right after their pass, from its keys and values)."""
         return self.collect(self.launch(trees))
 
-    def prefix_costs(self, trees: list[Tree]) -> list[float]:
-        """Seconds the passes of each prefix of these trees would take, packed as launch packs them ([i]:
-        trees[:i]; packer.prefix_costs)."""
-        return prefix_costs(trees, self.buckets)
+    def cut(self, trees: list[Tree]) -> Cuts:
+        """How launch would pack these trees and every prefix of them (packer.Cuts: each prefix's seconds)."""
+        return cut(trees, self.buckets)
 
-    def launch(self, trees: list[Tree]) -> Launched:
+    def launch(self, trees: list[Tree], cuts: Cuts | None = None) -> Launched:
         """score_trees in two halves. This one packs the trees and starts their passes on the device without
         waiting for them (JAX dispatches asynchronously), so the caller can prepare the next batch while
         they run; collect waits for their results. Passes with extraction slots run here to the end: their
-        decode steps need each step's candidates on the host."""
+        decode steps need each step's candidates on the host. `cuts`: `cut` of these trees, or of a list
+        they begin (the server's runner has cut its whole batch), so the search is not run again."""
         launched = Launched(trees, [None] * len(trees))
-        for p in pack(trees, self.buckets):
+        for p in (cuts or self.cut(trees)).passes(len(trees)):
             start = time.perf_counter()
             if not any(trees[t].slots for t in p.tree_ids):
                 if len(launched.running) == IN_FLIGHT:

@@ -253,24 +253,42 @@ def pack(trees: list[Tree], buckets: Buckets) -> list[Pass]:
     fewer passes wins. Filling each pass to the largest bucket made a batch of four 1,200-token contents one
     16,384-row pass where two of 4,096 rows do. A tree's results do not depend on its pass
     (docs/batch-invariance.md), so this choice is free."""
+    return cut(trees, buckets).passes()
+
+
+@dataclass
+class Cuts:
+    """pack's search over a list of trees, for every prefix trees[:i] at once: what its cheapest passes
+    cost (`cost[i]`, [0] is 0) and where the last of them starts. The server's runner weighs launching part
+    of a batch by `cost`, then lays out the part it launches from the same search (`passes`)."""
+
+    trees: list[Tree]
+    buckets: Buckets
+    tree_costs: list[tuple[int, ...]]  # _cost of each tree
+    cost: list[float]
+    start_of: list[int]
+
+    def passes(self, end: int | None = None) -> list[Pass]:
+        """The cheapest passes of trees[:end] (all: None), in order."""
+        groups, end = [], len(self.trees) if end is None else end
+        while end:
+            groups.append(range(self.start_of[end], end))
+            end = self.start_of[end]
+        return [
+            _lay_out(list(group), self.trees, _used(group, self.tree_costs), self.buckets)
+            for group in reversed(groups)
+        ]
+
+
+def cut(trees: list[Tree], buckets: Buckets) -> Cuts:
+    """pack's search (Cuts), not yet laid out."""
     costs = [_cost(tree, buckets) for tree in trees]
-    _, start_of = _cheapest(costs, buckets)
-    groups, end = [], len(trees)
-    while end:
-        groups.append(range(start_of[end], end))
-        end = start_of[end]
-    return [_lay_out(list(group), trees, _used(group, costs), buckets) for group in reversed(groups)]
-
-
-def prefix_costs(trees: list[Tree], buckets: Buckets) -> list[float]:
-    """What pack's passes cost for each prefix of the trees: [i] for trees[:i] ([0] is 0). The runner weighs
-    launching part of a batch now against the rest by it."""
-    return _cheapest([_cost(tree, buckets) for tree in trees], buckets)[0]
+    return Cuts(trees, buckets, costs, *_cheapest(costs, buckets))
 
 
 def _cheapest(costs: list[tuple[int, ...]], buckets: Buckets) -> tuple[list[float], list[int]]:
-    """pack's search over the trees' costs (_cost): the cheapest passes' cost for each prefix, and where the
-    last of those passes starts."""
+    """The search over the trees' costs (_cost): the cheapest passes' cost for each prefix, and where the last
+    of those passes starts."""
     sizes = buckets.sizes
     best = [0] + [math.inf] * len(costs)  # best[i]: the cheapest passes for trees[:i]
     start_of = [0] * (len(costs) + 1)  # where the last pass of best[i] starts

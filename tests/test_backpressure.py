@@ -34,11 +34,11 @@ class SlowEngine:
         self.scored: list[list] = []
 
     @staticmethod
-    def prefix_costs(trees):
+    def cut(trees):
         """A pass per token: no prefix costs less per token than the whole batch."""
-        return [float(sum(len(t) for t in trees[:i])) for i in range(len(trees) + 1)]
+        return SimpleNamespace(cost=[float(sum(len(t) for t in trees[:i])) for i in range(len(trees) + 1)])
 
-    def launch(self, trees):
+    def launch(self, trees, cuts=None):
         """Engine.launch's handle: here the work happens when it is collected."""
         return SimpleNamespace(trees=trees, wait=self.gate.wait)
 
@@ -165,10 +165,10 @@ def test_a_client_that_leaves_is_not_scored(gemma_engine, monkeypatch):
         gate, scored = threading.Event(), []
         real = runner.engine.launch
 
-        def gated(trees):
+        def gated(trees, cuts=None):
             gate.wait()
             scored.append(len(trees))
-            return real(trees)
+            return real(trees, cuts)
 
         monkeypatch.setattr(runner.engine, "launch", gated)
         busy = threading.Thread(target=lambda: client.post("/v1/score", json=BODY))
@@ -225,9 +225,9 @@ def test_the_first_batch_is_read_before_the_next_is_launched():
 
     class Device:
         buckets = SimpleNamespace(largest=10**9)
-        prefix_costs = staticmethod(SlowEngine.prefix_costs)
+        cut = staticmethod(SlowEngine.cut)
 
-        def launch(self, trees):
+        def launch(self, trees, cuts=None):
             events.append(("launch", len(trees)))
             return SimpleNamespace(trees=trees, ready=done.is_set, wait=done.wait)
 
@@ -259,7 +259,7 @@ def test_the_first_batch_is_read_before_the_next_is_launched():
 
 
 class Buckets2048:
-    """Passes in buckets every 2,048 rows, a pass costing its rows: what Engine.prefix_costs gives."""
+    """Passes in buckets every 2,048 rows, a pass costing its rows: what Engine.cut gives."""
 
     buckets = SimpleNamespace(largest=10**9)
 
@@ -267,10 +267,11 @@ class Buckets2048:
         self.events, self.done = [], threading.Event()
 
     @staticmethod
-    def prefix_costs(trees):
-        return [float(-(-sum(len(t) for t in trees[:i]) // 2048) * 2048) for i in range(len(trees) + 1)]
+    def cut(trees):
+        rows = [-(-sum(len(t) for t in trees[:i]) // 2048) * 2048 for i in range(len(trees) + 1)]
+        return SimpleNamespace(cost=[float(r) for r in rows])
 
-    def launch(self, trees):
+    def launch(self, trees, cuts=None):
         self.events.append(("launch", len(trees)))
         return SimpleNamespace(trees=trees, wait=self.done.wait)
 
@@ -299,5 +300,5 @@ def test_a_batch_leaves_its_last_requests_for_the_next_where_that_costs_less_per
     assert device.events == [("launch", n) for n in launches]
     # Held once at most: with a held request at its head a batch launches at least that one.
     batch = [(SimpleNamespace(trees=[[0] * n]), None, SimpleNamespace(tokens=n)) for n in (2000, 600)]
-    assert runner._split(batch, 0) == (batch[:1], batch[1:])  # 2,048 rows for 2,000 tokens, not 4,096
-    assert runner._split(batch, 2) == (batch, [])
+    assert runner._split(batch, 0)[:2] == (batch[:1], batch[1:])  # 2,048 rows for 2,000 tokens, not 4,096
+    assert runner._split(batch, 2)[:2] == (batch, [])

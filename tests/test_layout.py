@@ -23,7 +23,7 @@ from spinf_jax.layout import (
     question_chunks,
 )
 from spinf_jax.models.layers import TreeBatch
-from spinf_jax.packer import Buckets, content_trees, pack, prefix_costs, read_trees
+from spinf_jax.packer import Buckets, content_trees, cut, pack, read_trees
 from tests import engines
 from tests.trees import POOL
 
@@ -263,7 +263,7 @@ def test_passes_are_the_cheapest_cut_of_the_trees_in_order(sizes, overhead, time
     else:  # sums of floats: two cuts of equal cost may differ in the last bit, so ties are not compared
         assert got[0] == pytest.approx(best[0])
     # The same search's cost for every prefix: what the server's runner weighs holding requests back by.
-    costs = prefix_costs(trees, buckets)
+    costs = cut(trees, buckets).cost
     assert len(costs) == len(trees) + 1 and costs[0] == 0
     for i in range(1, len(trees) + 1):
         assert costs[i] == pytest.approx(sum(buckets.cost(p.size) for p in pack(trees[:i], buckets)))

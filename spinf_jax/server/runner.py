@@ -185,35 +185,36 @@ class Runner:
             if on_device is not None:
                 self._answer(*on_device)
             hold = busy and self.hold_back and not self._closed
-            now, self._held = self._split(live, len(held)) if hold else (live, [])
-            on_device = self._launch(now) if now else None
+            now, self._held, cuts = self._split(live, len(held)) if hold else (live, [], None)
+            on_device = self._launch(now, cuts) if now else None
 
-    def _split(self, batch: list, least: int) -> tuple[list, list]:
+    def _split(self, batch: list, least: int) -> tuple[list, list, Any]:
         """The batch cut in two where its passes cost least per token: its first n requests (never fewer
         than `least`, the ones held last time, so none waits more than one batch longer) are launched, the
         rest lead the next batch, whose new requests fill their passes. With 8 clients sending one article
         each, the batches took turns at 2 and 6 requests, 4,096 + 8,192 rows for 8 requests (77% useful;
         http_throughput-h100-2026-12-05-run12-fine): holding one back turns them into 3 and 5, 4,096 + 6,144
-        rows. Of equal costs per token, the longer prefix wins."""
+        rows. Of equal costs per token, the longer prefix wins. Also the engine's cut of the whole batch
+        (Engine.cut), which launching the first part lays out its passes from; None where nothing was cut."""
         if len(batch) <= max(least, 1):
-            return batch, []
+            return batch, [], None
         try:
-            costs = self.engine.prefix_costs([tree for plan, _, _ in batch for tree in plan.trees])
+            cuts = self.engine.cut([tree for plan, _, _ in batch for tree in plan.trees])
         except Exception:  # noqa: BLE001 - a tree that fits no bucket: launching the batch reports it
-            return batch, []
+            return batch, [], None
         ends = list(accumulate(len(plan.trees) for plan, _, _ in batch))  # trees up to each request
         tokens = list(accumulate(ticket.tokens for _, _, ticket in batch))
 
         def per_token(n: int) -> tuple[float, int]:
-            return costs[ends[n - 1]] / max(1, tokens[n - 1]), -n
+            return cuts.cost[ends[n - 1]] / max(1, tokens[n - 1]), -n
 
         n = min(range(max(least, 1), len(batch) + 1), key=per_token)
-        return batch[:n], batch[n:]
+        return batch[:n], batch[n:], cuts
 
-    def _launch(self, batch: list[tuple[Any, Finish, Ticket]]):
+    def _launch(self, batch: list[tuple[Any, Finish, Ticket]], cuts=None):
         start = time.perf_counter()
         try:
-            handle = self.engine.launch([tree for plan, _, _ in batch for tree in plan.trees])
+            handle = self.engine.launch([tree for plan, _, _ in batch for tree in plan.trees], cuts)
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
             handle = exc
         else:

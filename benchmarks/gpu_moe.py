@@ -15,6 +15,7 @@ gpu_moe.json and prints a table. Each line is printed as it is measured.
 
 import argparse
 import json
+import time
 from functools import partial
 from pathlib import Path
 
@@ -115,7 +116,18 @@ def run(name, shape, precision: Precision, tokens: int, chosen: list[str]) -> di
            "reference": reference}  # fmt: skip
     active_flops = 2 * tokens * k * 3 * hidden * inner
     for method, fn in methods.items():
+        # The first call's time (compile and run) is printed as it happens, so a run stopped at its time
+        # limit still says where it was.
+        start = time.perf_counter()
         got = np.asarray(fn(x, index, weight))
+        print(
+            name,
+            precision.value,
+            tokens,
+            method,
+            f"first call {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
         # A quarter of the tokens, alone and then after the other three quarters reversed: the same bits?
         part = slice(0, tokens // 4)
         alone = np.asarray(fn(x[part], index[part], weight[part]))

@@ -41,18 +41,25 @@ class SimulatedDevice:
         self.buckets = Buckets(tuple(sizes), block=64).measured([seconds[s] for s in sizes])
         self.passes: Counter = Counter()
         self.rows = self.tokens = 0
+        self.free_at = 0.0  # time.monotonic() when the device has run every pass launched so far
 
     def cut(self, trees):
         return cut(trees, self.buckets)
 
-    def launch(self, trees, cuts=None):
+    def launch(self, trees, cuts=None, behind=None):
+        """The batch's passes run one after another once the device is free (a batch queued `behind`
+        another starts when that one ends)."""
         passes = (cuts or self.cut(trees)).passes(len(trees))
         self.passes.update(p.size for p in passes)
         self.rows += sum(p.size for p in passes)
         self.tokens += sum(len(t) for t in trees)
-        done = threading.Event()
-        threading.Timer(sum(self.buckets.cost(p.size) for p in passes), done.set).start()
-        return SimpleNamespace(trees=trees, wait=done.wait)
+        costs = [self.buckets.cost(p.size) for p in passes]
+        start = max(time.monotonic(), self.free_at)
+        self.free_at = start + sum(costs)
+        last, done = threading.Event(), threading.Event()
+        threading.Timer(start + sum(costs[:-1]) - time.monotonic(), last.set).start()
+        threading.Timer(self.free_at - time.monotonic(), done.set).start()
+        return SimpleNamespace(trees=trees, wait=lambda leaving=0: (last if leaving else done).wait())
 
     def collect(self, launched):
         launched.wait()

@@ -233,6 +233,11 @@ class Scored:
         return np.split(sums, np.cumsum([len(q) for q in self.tree.options])[:-1])
 
 
+def _ready(outputs) -> bool:
+    """Whether the device has computed these arrays (without waiting for them)."""
+    return all(leaf.is_ready() for leaf in jax.tree.leaves(outputs))
+
+
 @dataclass
 class Launched:
     """Passes started by Engine.launch: the trees, their results so far (those of passes that ran to the end
@@ -244,8 +249,11 @@ class Launched:
     # normalisers and top tokens) and the time it was launched.
     running: list[tuple[Pass, tuple, float]] = field(default_factory=list)
 
-    def wait(self) -> None:
-        jax.block_until_ready([outputs for _, outputs, _ in self.running])
+    def wait(self, leaving: int = 0) -> None:
+        """Until its passes have run, all but the last `leaving` of them. (A copy of the list: a launch queued
+        behind this one may read its passes back meanwhile, Engine.launch.)"""
+        running = list(self.running)
+        jax.block_until_ready([outputs for _, outputs, _ in running[: max(0, len(running) - leaving)]])
 
 
 class Engine:
@@ -602,18 +610,20 @@ class Engine:
         """How launch would pack these trees and every prefix of them (packer.Cuts: each prefix's seconds)."""
         return cut(trees, self.buckets)
 
-    def launch(self, trees: list[Tree], cuts: Cuts | None = None) -> Launched:
+    def launch(self, trees: list[Tree], cuts: Cuts | None = None, behind: Launched | None = None) -> Launched:
         """score_trees in two halves. This one packs the trees and starts their passes on the device without
         waiting for them (JAX dispatches asynchronously), so the caller can prepare the next batch while
         they run; collect waits for their results. Passes with extraction slots run here to the end: their
         decode steps need each step's candidates on the host. `cuts`: `cut` of these trees, or of a list
-        they begin (the server's runner has cut its whole batch), so the search is not run again."""
+        they begin (the server's runner has cut its whole batch), so the search is not run again.
+        `behind`: a launch whose passes may still be on the device; they count towards IN_FLIGHT, so this
+        one can be queued behind its last pass and the device goes from one to the next without waiting
+        for the host. Whoever launched it reads it back."""
         launched = Launched(trees, [None] * len(trees))
         for p in (cuts or self.cut(trees)).passes(len(trees)):
             start = time.perf_counter()
             if not any(trees[t].slots for t in p.tree_ids):
-                if len(launched.running) == IN_FLIGHT:
-                    self._collect_oldest(launched)
+                self._make_room(launched, behind)
                 launched.running.append((p, self._launch_pass(p), start))
                 continue
             self._extract_and_decode(p, launched)
@@ -625,6 +635,18 @@ class Engine:
         while launched.running:
             self._collect_oldest(launched)
         return launched.out
+
+    def _make_room(self, launched: Launched, behind: Launched | None) -> None:
+        """Until fewer than IN_FLIGHT passes are on the device: the oldest of `behind` are waited for, then
+        this launch's own are read back."""
+        while True:
+            running = [o for _, o, _ in list(behind.running) if not _ready(o)] if behind else []
+            if len(running) + len(launched.running) < IN_FLIGHT:
+                return
+            if running:
+                jax.block_until_ready(running[0])
+            else:
+                self._collect_oldest(launched)
 
     def _collect_oldest(self, launched: Launched) -> None:
         p, outputs, start = launched.running.pop(0)

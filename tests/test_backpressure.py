@@ -38,9 +38,9 @@ class SlowEngine:
         """A pass per token: no prefix costs less per token than the whole batch."""
         return SimpleNamespace(cost=[float(sum(len(t) for t in trees[:i])) for i in range(len(trees) + 1)])
 
-    def launch(self, trees, cuts=None):
+    def launch(self, trees, cuts=None, behind=None):
         """Engine.launch's handle: here the work happens when it is collected."""
-        return SimpleNamespace(trees=trees, wait=self.gate.wait)
+        return SimpleNamespace(trees=trees, wait=lambda leaving=0: self.gate.wait())
 
     def collect(self, launched):
         self.gate.wait()
@@ -165,10 +165,10 @@ def test_a_client_that_leaves_is_not_scored(gemma_engine, monkeypatch):
         gate, scored = threading.Event(), []
         real = runner.engine.launch
 
-        def gated(trees, cuts=None):
+        def gated(trees, cuts=None, behind=None):
             gate.wait()
             scored.append(len(trees))
-            return real(trees, cuts)
+            return real(trees, cuts, behind)
 
         monkeypatch.setattr(runner.engine, "launch", gated)
         busy = threading.Thread(target=lambda: client.post("/v1/score", json=BODY))
@@ -216,46 +216,69 @@ def test_headers_that_never_finish_lose_their_connection(gemma_engine, monkeypat
         thread.join(timeout=10)
 
 
-def test_the_first_batch_is_read_before_the_next_is_launched():
-    """While a batch runs on the device, the requests that arrive make the next batch. Once the device is
-    done, the first batch's results are read and handed to the finishers before the next batch is launched
-    (a launch can hold the engine thread for most of a pass), and the answers are built off the engine
-    thread (it only reads results and launches passes)."""
-    events, done = [], threading.Event()
+class Handle:
+    """Engine.launch's handle for a batch of two passes: `last` set, the device is on its last pass; `done`
+    set, it is done."""
+
+    def __init__(self, trees, behind):
+        self.trees, self.behind = trees, behind
+        self.last, self.done = threading.Event(), threading.Event()
+
+    def wait(self, leaving=0):
+        (self.last if leaving else self.done).wait()
+
+
+def test_a_full_batch_is_queued_behind_the_last_pass_and_results_are_read_off_the_engine_thread():
+    """While a batch runs, the requests that arrive make the next batch. One that does not fill the largest
+    bucket waits for the device to be done (more may come); one that fills it is launched once the device
+    is on the last pass of the one before, behind it, so the device does not wait for the host between
+    them. Results are read on the waiter thread and the answers built on finisher threads: the engine
+    thread only gathers and launches."""
+    launched, reads, threads = [], [], []
 
     class Device:
-        buckets = SimpleNamespace(largest=10**9)
+        buckets = SimpleNamespace(largest=4)  # tokens
         cut = staticmethod(SlowEngine.cut)
 
-        def launch(self, trees, cuts=None):
-            events.append(("launch", len(trees)))
-            return SimpleNamespace(trees=trees, ready=done.is_set, wait=done.wait)
+        def launch(self, trees, cuts=None, behind=None):
+            launched.append(Handle(trees, behind))
+            return launched[-1]
 
-        def collect(self, launched):
-            events.append(("read", len(launched.trees)))
-            return [len(t) for t in launched.trees]
+        def collect(self, handle):
+            reads.append((len(handle.trees), threading.current_thread().name))
+            return [len(t) for t in handle.trees]
 
     def finish(plan, scored):
-        assert threading.current_thread().name != "spinf-engine"
-        answers.append(len(scored))
+        threads.append(threading.current_thread().name)
         return scored
 
-    answers = []
+    def until(condition):
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
     runner = Runner(Device(), max_queue=8, max_delay=0.0)
     first = runner.submit(SimpleNamespace(trees=[[0]]), finish)
-    deadline = time.monotonic() + 10
-    while not events:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    later = [runner.submit(SimpleNamespace(trees=[[0], [0]]), finish) for _ in range(3)]
-    time.sleep(0.1)  # all three wait: the device is still busy with the first
-    assert events == [("launch", 1)]
-    done.set()
-    assert [f.result(timeout=10) for f in [first, *later]] == [[1], [1, 1], [1, 1], [1, 1]]
+    until(lambda: launched)
+    later = [runner.submit(SimpleNamespace(trees=[[0]]), finish) for _ in range(2)]
+    launched[0].last.set()
+    time.sleep(0.1)  # two tokens of four: they wait for the first batch to be done, or for more to come
+    assert len(launched) == 1
+    later += [runner.submit(SimpleNamespace(trees=[[0]]), finish) for _ in range(2)]
+    until(lambda: len(launched) == 2)  # four tokens: launched behind the first batch's last pass
+    assert launched[1].behind is launched[0] and len(launched[1].trees) == 4
+    assert not first.done() and not reads  # the first batch is still on the device
+    launched[0].done.set()
+    assert first.result(timeout=10) == [1]
+    launched[1].last.set()
+    launched[1].done.set()
+    assert [f.result(timeout=10) for f in later] == [[1]] * 4
     runner.close()
-    assert events == [("launch", 1), ("read", 1), ("launch", 6), ("read", 6)]
-    # Answers are built on two threads: their order among themselves is not fixed.
-    assert sorted(answers) == [1, 2, 2, 2]
+    assert reads == [(1, "spinf-wait_0"), (4, "spinf-wait_0")]
+    assert "spinf-engine" not in threads and len(threads) == 5
+    # A batch gathered after a batch that was done goes on its own, not behind it.
+    assert launched[0].behind is None
 
 
 class Buckets2048:
@@ -271,9 +294,9 @@ class Buckets2048:
         rows = [-(-sum(len(t) for t in trees[:i]) // 2048) * 2048 for i in range(len(trees) + 1)]
         return SimpleNamespace(cost=[float(r) for r in rows])
 
-    def launch(self, trees, cuts=None):
+    def launch(self, trees, cuts=None, behind=None):
         self.events.append(("launch", len(trees)))
-        return SimpleNamespace(trees=trees, wait=self.done.wait)
+        return SimpleNamespace(trees=trees, wait=lambda leaving=0: self.done.wait())
 
     def collect(self, launched):
         return [len(t) for t in launched.trees]

@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from spinf_jax.compiler import Limits, ScoringError
 from spinf_jax.engine import Engine
+from spinf_jax.layout import build_tree
 from spinf_jax.loader import Model
 from spinf_jax.models import abstract_decoder
 from spinf_jax.models.layers import TreeBatch
@@ -248,3 +250,49 @@ def test_pass_temporaries_do_not_grow_with_depth(family):
     # one repeat's weights sliced out of the stack, the same at any depth.
     shallow, deep = temporaries(12), temporaries(24)
     assert deep <= shallow * 1.05, (shallow, deep)
+
+
+def test_a_launch_queued_behind_another_keeps_at_most_two_passes_on_the_device(engine, monkeypatch):
+    """Engine.launch(behind=): the server's runner queues a full batch behind the last pass of the one
+    before. The passes of both count towards IN_FLIGHT: the new launch waits for the older launch's oldest
+    passes (it does not read them back: their launcher does), then reads its own oldest, so no more than
+    two passes are ever on the device. Every tree of both launches gets its results. The device is a fake
+    here: each pass's output is ready once something waits for it."""
+    on_device, read, most = [], [], [0]
+
+    class Output:
+        def __init__(self):
+            self.ready = False
+
+        def is_ready(self):
+            return self.ready
+
+        def block_until_ready(self):
+            self.ready = True
+            return self
+
+    def launch_pass(p):
+        most[0] = max(most[0], sum(not o.ready for o in on_device) + 1)
+        on_device.append(Output())
+        return (on_device[-1],)
+
+    def results(p, output):  # reading a pass back waits for it
+        output.block_until_ready()
+        read.append(on_device.index(output))
+        return np.zeros(8, np.float32), np.zeros(8, np.int32)
+
+    monkeypatch.setattr(engine, "_launch_pass", launch_pass)
+    monkeypatch.setattr(engine, "_results", results)
+    trees = [build_tree([2], [10 + i], []) for i in range(6)]
+    one_each = SimpleNamespace(  # a pass per tree
+        passes=lambda n: [
+            SimpleNamespace(tree_ids=[t], target_offset=[0], read_offset=[0], size=256) for t in range(n)
+        ]
+    )
+    first = engine.launch(trees[:3], one_each)
+    assert len(first.running) == 2  # the third pass read the first back
+    second = engine.launch(trees[3:], one_each, behind=first)
+    assert most[0] == 2 and first.running  # the first's passes were waited for, not read back
+    assert all(o.ready for o in on_device[:4])
+    assert [s.tree for s in engine.collect(first) + engine.collect(second)] == trees
+    assert sorted(read) == list(range(6))  # every pass read back once

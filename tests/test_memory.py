@@ -34,7 +34,7 @@ def test_out_of_memory_in_a_pass_fails_that_request_and_the_server_goes_on(gemma
         engine = app.state.server.engine
         real = engine.launch
 
-        def exhausted(trees, cuts=None):
+        def exhausted(trees, cuts=None, behind=None):
             # What XLA raises when an allocation fails mid-pass (jaxlib's XlaRuntimeError text).
             raise RuntimeError(
                 "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12884901888 bytes."

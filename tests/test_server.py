@@ -359,14 +359,14 @@ def test_malformed_bodies_get_a_4xx_envelope_and_the_server_lives(url, path, bod
 
 
 def test_engine_failures_answer_in_the_envelope_and_the_server_keeps_serving(url, engine, monkeypatch):
-    def out_of_memory(trees, cuts=None):
+    def out_of_memory(trees, cuts=None, behind=None):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes")
 
     monkeypatch.setattr(engine, "launch", out_of_memory)
     r = httpx.post(f"{url}/v1/score", json=BODY, timeout=60)
     _error(r, 503, "out_of_memory")
     assert "retry-after" in r.headers
-    monkeypatch.setattr(engine, "launch", lambda trees, cuts=None: 1 / 0)
+    monkeypatch.setattr(engine, "launch", lambda trees, cuts=None, behind=None: 1 / 0)
     _error(httpx.post(f"{url}/v1/score", json=BODY, timeout=60), 500, "internal_error")
     monkeypatch.undo()
     assert httpx.post(f"{url}/v1/score", json=BODY, timeout=60).status_code == 200

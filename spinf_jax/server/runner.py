@@ -1,25 +1,30 @@
 """One thread owns the device. It gathers the trees of concurrent requests into shared passes: with the
 device idle, a request waits for company at most `max_delay` seconds, or until the pending trees fill the
-largest bucket; with a batch on the device, the next batch is what arrives until the device is done. Then
-the first batch's results are read and handed to finisher threads, which build the responses, and only then
-is the next batch launched: launching a pass holds this thread until the device has taken most of it (on the
-H200 at the Gemma 3 12B shape, 458 ms of a 528 ms pass: the host can only queue so much ahead), so answers
-read after a launch went out most of a pass late. This thread does nothing but read results and launch
-passes, and between them it sleeps on the queue: a waiter thread tells it when the device is done (_Done).
-A batch gathered while the device was busy may launch without its last requests, where its passes cost less
-per token without them; they lead the next batch (_split). Scores do not depend on what shares a pass (see
-packer), so batching never changes an answer.
+largest bucket; with a batch on the device, the next batch is what arrives until the device is done, and is
+launched then. A batch that fills the largest bucket before that is launched as soon as the device is on
+the last pass of the one before, queued behind it (Engine.launch's `behind`): under a steady stream the
+device goes from batch to batch without waiting for the host to read results, cut and pack. This thread
+does nothing but gather, cut and launch, and between batches it sleeps on the queue; a waiter thread tells
+it when the device is on a batch's last pass and when it is done (_Done), reads the batch's results and
+hands them to finisher threads, which build the responses. (Launching a pass holds the thread that
+launches until the device has taken most of it: on the H200 at the Gemma 3 12B shape, 458 ms of a 528 ms
+pass. Answers read on the launching thread went out most of a pass late.) A batch gathered while the
+device was busy may launch without its last requests, where its passes cost less per token without them;
+they lead the next batch (_split). Scores do not depend on what shares a pass (see packer), so batching
+never changes an answer.
 
 It also knows how long the queue will take (tokens waiting over the tokens per second it measured), which is
 what a full queue tells clients to wait (Retry-After), and it drops the requests whose clients left. Each
 request's future tells how long it waited for its pass and how long that pass took (the request log line)."""
 
+import contextlib
 import math
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
@@ -41,6 +46,15 @@ class _Done:
 
     def __init__(self, handle):
         self.handle = handle
+
+
+@dataclass
+class _OnDevice:
+    """A launched batch: Engine.launch's handle, and an event the waiter thread sets once the device is on
+    the batch's last pass (or done)."""
+
+    handle: Any
+    last: threading.Event
 
 
 class Ticket(Future):
@@ -70,6 +84,7 @@ class Runner:
         self._held: list[tuple[Any, Finish, Ticket]] = []  # gathered, left for the next batch (_split)
         self._tokens_left = 0  # tokens of every request accepted and not yet answered
         self._tokens_per_second: float | None = None  # measured over recent passes
+        self._device_free = 0.0  # when the device finished the last batch (perf_counter; the waiter's)
         self._closed = False
         self._lock = threading.Lock()
         # Responses are built here, off the engine thread: it only launches passes and reads their results.
@@ -114,9 +129,12 @@ class Runner:
             self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=60)
-        if not self._thread.is_alive():  # else it may still hand its last batch to the finishers
-            self._finishers.shutdown(wait=True)
+        if not self._thread.is_alive():  # else it may still launch its last batch
+            # The waiter reads the batches still on the device and hands them to the finishers.
+            with contextlib.suppress(TimeoutError):
+                self._waiter.submit(lambda: None).result(timeout=60)
             self._waiter.shutdown(wait=False)
+            self._finishers.shutdown(wait=True)
         stopping = ScoringError("shutting_down", "the server is stopping; retry shortly")
         for _, _, ticket in self._held if self._thread.is_alive() else []:  # held, never launched
             if not ticket.done():
@@ -129,11 +147,12 @@ class Runner:
             if item is not None and not isinstance(item, _Done):
                 item[2].set_exception(stopping)
 
-    def _gather(self, batch: list, busy=None) -> list[tuple[Any, Finish, Ticket]]:
-        """The next batch, after `batch` (the first request, or those held from the last batch): with the
-        device idle, what arrives within max_delay; with a batch on the device (`busy`, Engine.launch's
-        handle), whatever arrives until that batch is done, and it returns once that batch is done. Either
-        way no more than fills the largest bucket."""
+    def _gather(self, batch: list, busy: _OnDevice | None = None) -> tuple[list, bool]:
+        """The next batch, after `batch` (the first request, or those held from the last batch), and whether
+        `busy` is still on the device. With the device idle: what arrives within max_delay. With a batch on
+        the device (`busy`): what arrives until it is done, or, once the trees fill the largest bucket,
+        until it is on its last pass (the rest would wait anyway: the new batch is queued behind it, and the
+        device never waits for the host between them). Never more than fills the largest bucket."""
         tokens = sum(ticket.tokens for _, _, ticket in batch)
         deadline = time.monotonic() + self.max_delay
         done = busy is None
@@ -144,35 +163,34 @@ class Runner:
             except queue.Empty:
                 break
             if isinstance(item, _Done):
-                if busy is not None and item.handle is busy:
+                if busy is not None and item.handle is busy.handle:
                     done = True
                     break
-                continue  # an earlier launch's, waited for already
+                continue  # an earlier launch's
             if item is None:
                 self._queue.put(None)  # let the loop see the stop after this batch
                 break
             batch.append(item)
             tokens += item[2].tokens
         if not done:
-            busy.wait()  # one batch on the device at a time: each pass in flight holds its temporaries
-        return batch
+            busy.last.wait()  # each pass in flight holds its temporaries: at most IN_FLIGHT (Engine.launch)
+        return batch, not done
 
     def _loop(self) -> None:
-        """Launch a batch, gather the next while it runs, and once the device is done read the first's results
-        (its answers are built on finisher threads), then launch the next: the device waits for the host only
-        while results are read (a copy of the pass's outputs) and the next batch is packed."""
-        on_device = None  # (batch, handle, start): launched, not yet answered
+        """Gather a batch while the one before runs and launch it once that one is done, or behind its last
+        pass when the new one is full. This thread only gathers, cuts and launches: the waiter thread reads
+        each batch's results once the device is done and hands them to the finishers (_finish)."""
+        on_device = None  # the batch launched last, which may still be on the device
         while True:
-            if on_device is None:
+            if on_device is None and not self._held:
                 if (first := self._queue.get()) is None:
                     return
-                if isinstance(first, _Done):  # a launch waited for already
+                if isinstance(first, _Done):  # an earlier launch's
                     continue
-                held, batch = [], self._gather([first])
-            elif isinstance(handle := on_device[1], Exception):  # nothing on the device after all
-                held, batch = self._held, list(self._held)
+                held, (batch, running) = [], self._gather([first])
             else:
-                held, batch = self._held, self._gather(list(self._held), busy=handle)
+                held = self._held
+                batch, running = self._gather(list(held), busy=on_device)
             fresh = batch[len(held) :]
             # A cancelled future is a client that left while queued: its plan is dropped here.
             live = held + [item for item in fresh if item[2].set_running_or_notify_cancel()]
@@ -181,12 +199,12 @@ class Runner:
                 self._tokens_left -= sum(ticket.tokens for _, _, ticket in fresh if ticket.cancelled())
             # Holding requests back only pays while traffic keeps coming: a batch gathered with the device
             # idle goes whole.
-            busy = on_device is not None and not isinstance(on_device[1], Exception)
-            if on_device is not None:
-                self._answer(*on_device)
-            hold = busy and self.hold_back and not self._closed
+            hold = on_device is not None and self.hold_back and not self._closed
             now, self._held, cuts = self._split(live, len(held)) if hold else (live, [], None)
-            on_device = self._launch(now, cuts) if now else None
+            if now:
+                on_device = self._launch(now, cuts, on_device.handle if running else None)
+            elif not running:  # nothing to launch (every client left); one still on the device stays busy
+                on_device = None
 
     def _split(self, batch: list, least: int) -> tuple[list, list, Any]:
         """The batch cut in two where its passes cost least per token: its first n requests (never fewer
@@ -211,38 +229,46 @@ class Runner:
         n = min(range(max(least, 1), len(batch) + 1), key=per_token)
         return batch[:n], batch[n:], cuts
 
-    def _launch(self, batch: list[tuple[Any, Finish, Ticket]], cuts=None):
+    def _launch(self, batch: list[tuple[Any, Finish, Ticket]], cuts, behind) -> _OnDevice | None:
         start = time.perf_counter()
         try:
-            handle = self.engine.launch([tree for plan, _, _ in batch for tree in plan.trees], cuts)
+            handle = self.engine.launch([tree for plan, _, _ in batch for tree in plan.trees], cuts, behind)
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
-            handle = exc
-        else:
-            self._waiter.submit(self._note_done, handle, start)
-        return batch, handle, start
+            self._answer(batch, exc, start)
+            return None
+        on_device = _OnDevice(handle, threading.Event())
+        self._waiter.submit(self._finish, batch, on_device, start)
+        return on_device
 
-    def _note_done(self, handle, start: float) -> None:
-        try:
+    def _finish(self, batch: list[tuple[Any, Finish, Ticket]], on_device: _OnDevice, start: float) -> None:
+        """On the waiter thread, one batch after another: tell the engine thread when the device is on the
+        batch's last pass and when it is done, then read the results and hand them to the finishers."""
+        handle = on_device.handle
+        with contextlib.suppress(Exception):  # a device failure: collect raises it, for the batch's requests
+            handle.wait(leaving=1)
+            on_device.last.set()
             handle.wait()
-            if self.on_batch:
-                self.on_batch(time.perf_counter() - start)
-        finally:  # a device failure too: collect raises it for the batch's requests
-            self._queue.put(_Done(handle))
+        on_device.last.set()
+        self._queue.put(_Done(handle))
+        done = time.perf_counter()
+        if self.on_batch:  # the device's time on this batch, not counting what it still ran of the last
+            self.on_batch(done - max(start, self._device_free))
+        self._device_free = done
+        try:
+            scored = self.engine.collect(handle)
+        except Exception as exc:  # noqa: BLE001 - every request of the batch gets the failure
+            scored = exc
+        self._answer(batch, scored, start)
 
-    def _answer(self, batch: list[tuple[Any, Finish, Ticket]], handle, start: float) -> None:
-        failure = handle if isinstance(handle, Exception) else None
-        if failure is None:
-            try:
-                scored = self.engine.collect(handle)
-            except Exception as exc:  # noqa: BLE001
-                failure = exc
+    def _answer(self, batch: list[tuple[Any, Finish, Ticket]], scored, start: float) -> None:
+        """Each request's results to a finisher, or the failure (an exception for `scored`) to each."""
         seconds = time.perf_counter() - start
         self._measured(sum(ticket.tokens for _, _, ticket in batch), seconds)
         offset = 0
         for plan, finish, ticket in batch:
             ticket.queue_s, ticket.pass_s = start - ticket.submitted, seconds
-            if failure is not None:
-                ticket.set_exception(failure)
+            if isinstance(scored, Exception):
+                ticket.set_exception(scored)
                 continue
             mine = scored[offset : offset + len(plan.trees)]
             offset += len(plan.trees)

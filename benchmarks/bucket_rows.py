@@ -1,7 +1,8 @@
 """The rows a batch takes in passes, for several bucket sets: what padding each set costs the request shapes
 of http_throughput.py. Counts, not timings: the server's planner lays out the requests (Gemma 3's tokenizer,
 floors cached, 64-row attention blocks as on GPUs) and packer.pack cuts them by rows plus its pass overhead,
-so any machine gives the same table.
+so any machine gives the same table. A second table counts the rows of the trees alone at several tree
+alignments (every tree starts on a block boundary, so a short tree pays up to a block).
 
     python3 benchmarks/bucket_rows.py --tokenizer TOKENIZER_FOLDER [--out DIR]
 
@@ -23,6 +24,8 @@ from spinf_jax.packer import Buckets, pack
 from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.scoring import Scorer
 
+# Tree alignments to count: 64 is the GPUs' (packer.default_block), 16 the kernel's smallest key block.
+ALIGNMENTS = (16, 32, 64, 128)
 SETS = {
     "4,096 + 16,384 (http runs 1-10)": (4096, 16384),
     "powers of two (the GPU default before)": (2048, 4096, 8192, 16384),
@@ -65,10 +68,18 @@ def main() -> None:
         seed_request(job)
     )  # the questions' floors, cached: later plans hold the requests' trees only
     results, lines = {}, ["| batch | tokens | " + " | ".join(SETS) + " |", "|---" * (len(SETS) + 2) + "|"]
+    aligned = ["| batch | " + " | ".join(f"{b}-row blocks" for b in ALIGNMENTS) + " |"]
+    aligned.append("|---" * (len(ALIGNMENTS) + 1) + "|")
     for name, request in requests(job).items():
         trees = scorer.plan(request).trees
         tokens = sum(len(t) for t in trees)
         row = {"tokens": tokens}
+        # The rows the trees take on their own, each rounded up to whole blocks, before any bucket.
+        rows = {b: sum(-(-len(t) // b) * b for t in trees) for b in ALIGNMENTS}
+        row["aligned_rows"] = rows
+        aligned.append(
+            f"| {name} | " + " | ".join(f"{rows[b]:,} ({tokens / rows[b]:.0%})" for b in ALIGNMENTS) + " |"
+        )
         for set_name, sizes in SETS.items():
             passes = [p.size for p in pack(trees, Buckets(sizes, block=64))]
             row[set_name] = {"passes": passes, "rows": sum(passes), "useful": tokens / sum(passes)}
@@ -79,6 +90,7 @@ def main() -> None:
         ]
         lines.append(f"| {name} | {tokens:,} | " + " | ".join(cells) + " |")
     (out / "bucket_rows.json").write_text(json.dumps(results, indent=1) + "\n")
+    lines += ["", "Rows of the trees alone, each tree rounded up to whole attention blocks:", "", *aligned]
     (out / "bucket_rows.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -39,12 +39,18 @@ class SlowEngine:
         return SimpleNamespace(cost=[float(sum(len(t) for t in trees[:i])) for i in range(len(trees) + 1)])
 
     def launch(self, trees, cuts=None, behind=None):
-        """Engine.launch's handle: here the work happens when it is collected."""
-        return SimpleNamespace(trees=trees, wait=lambda leaving=0: self.gate.wait())
+        """Engine.launch's handle: the batch runs (one pass) once the gate is open and something waits."""
+        ran = threading.Lock()
+
+        def wait(leaving=0):
+            self.gate.wait()
+            if not leaving and ran.acquire(blocking=False):
+                time.sleep(sum(len(t) for t in trees) / 1000)
+
+        return SimpleNamespace(trees=trees, wait=wait)
 
     def collect(self, launched):
-        self.gate.wait()
-        time.sleep(sum(len(t) for t in launched.trees) / 1000)
+        launched.wait()
         self.scored.append(launched.trees)
         return [len(t) for t in launched.trees]
 
@@ -258,7 +264,8 @@ def test_a_full_batch_is_queued_behind_the_last_pass_and_results_are_read_off_th
             assert time.monotonic() < deadline
             time.sleep(0.01)
 
-    runner = Runner(Device(), max_queue=8, max_delay=0.0)
+    busy = []  # the device's seconds on each batch (the busy-time metric)
+    runner = Runner(Device(), max_queue=8, max_delay=0.0, on_batch=busy.append)
     first = runner.submit(SimpleNamespace(trees=[[0]]), finish)
     until(lambda: launched)
     later = [runner.submit(SimpleNamespace(trees=[[0]]), finish) for _ in range(2)]
@@ -269,6 +276,7 @@ def test_a_full_batch_is_queued_behind_the_last_pass_and_results_are_read_off_th
     until(lambda: len(launched) == 2)  # four tokens: launched behind the first batch's last pass
     assert launched[1].behind is launched[0] and len(launched[1].trees) == 4
     assert not first.done() and not reads  # the first batch is still on the device
+    time.sleep(0.2)
     launched[0].done.set()
     assert first.result(timeout=10) == [1]
     launched[1].last.set()
@@ -276,6 +284,10 @@ def test_a_full_batch_is_queued_behind_the_last_pass_and_results_are_read_off_th
     assert [f.result(timeout=10) for f in later] == [[1]] * 4
     runner.close()
     assert reads == [(1, "spinf-wait_0"), (4, "spinf-wait_0")]
+    # The second batch's device time starts when the first is done, not at its launch: no second counted
+    # twice. Its requests' queue time runs until then.
+    assert busy[0] > 0.2 and busy[1] < 0.1
+    assert all(f.queue_s > 0.2 for f in later[2:]) and all(f.pass_s < 0.1 for f in later)
     assert "spinf-engine" not in threads and len(threads) == 5
     # A batch gathered after a batch that was done goes on its own, not behind it.
     assert launched[0].behind is None

@@ -234,7 +234,7 @@ class Runner:
         try:
             handle = self.engine.launch([tree for plan, _, _ in batch for tree in plan.trees], cuts, behind)
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
-            self._answer(batch, exc, start)
+            self._answer(batch, exc, start, time.perf_counter())
             return None
         on_device = _OnDevice(handle, threading.Event())
         self._waiter.submit(self._finish, batch, on_device, start)
@@ -250,23 +250,25 @@ class Runner:
             handle.wait()
         on_device.last.set()
         self._queue.put(_Done(handle))
-        done = time.perf_counter()
-        if self.on_batch:  # the device's time on this batch, not counting what it still ran of the last
-            self.on_batch(done - max(start, self._device_free))
+        # The device began the batch once it was launched and the batch before was done.
+        begin, done = max(start, self._device_free), time.perf_counter()
         self._device_free = done
+        if self.on_batch:
+            self.on_batch(done - begin)
         try:
             scored = self.engine.collect(handle)
         except Exception as exc:  # noqa: BLE001 - every request of the batch gets the failure
             scored = exc
-        self._answer(batch, scored, start)
+        self._answer(batch, scored, begin, done)
 
-    def _answer(self, batch: list[tuple[Any, Finish, Ticket]], scored, start: float) -> None:
-        """Each request's results to a finisher, or the failure (an exception for `scored`) to each."""
-        seconds = time.perf_counter() - start
+    def _answer(self, batch: list[tuple[Any, Finish, Ticket]], scored, begin: float, done: float) -> None:
+        """Each request's results to a finisher, or the failure (an exception for `scored`) to each. The
+        device had the batch from `begin` to `done`."""
+        seconds = done - begin
         self._measured(sum(ticket.tokens for _, _, ticket in batch), seconds)
         offset = 0
         for plan, finish, ticket in batch:
-            ticket.queue_s, ticket.pass_s = start - ticket.submitted, seconds
+            ticket.queue_s, ticket.pass_s = begin - ticket.submitted, seconds
             if isinstance(scored, Exception):
                 ticket.set_exception(scored)
                 continue

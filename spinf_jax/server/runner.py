@@ -87,9 +87,9 @@ class Runner:
         self._device_free = 0.0  # when the device finished the last batch (perf_counter; the waiter's)
         self._closed = False
         self._lock = threading.Lock()
-        # Responses are built here, off the engine thread: it only launches passes and reads their results.
+        # Responses are built here, off the engine thread: it only gathers, cuts and launches batches.
         self._finishers = ThreadPoolExecutor(FINISHERS, thread_name_prefix="spinf-finish")
-        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="spinf-wait")  # see _Done
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="spinf-wait")  # see _finish
         self._thread = threading.Thread(target=self._loop, name="spinf-engine", daemon=True)
         self._thread.start()
 
@@ -248,7 +248,7 @@ class Runner:
             handle.wait(leaving=1)
             on_device.last.set()
             handle.wait()
-        on_device.last.set()
+        on_device.last.set()  # again, for a failure: the engine thread must not wait on it forever
         self._queue.put(_Done(handle))
         # The device began the batch once it was launched and the batch before was done.
         begin, done = max(start, self._device_free), time.perf_counter()

@@ -50,7 +50,7 @@ def check_kernel(results: dict) -> None:
     trees = [build_tree([2], rng.integers(5, 500, 399).tolist(), questions) for _ in range(6)]
     [p] = pack(trees, Buckets((4096,), block))
     t = p.size
-    args = tuple(map(jnp.asarray, (p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)))
+    args = tuple(map(jnp.asarray, (p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start)))
     out = []
     for d, heads, kv, window in ((256, 16, 8, None), (256, 16, 8, 1024), (128, 32, 8, None)):
         q = jnp.asarray(rng.standard_normal((t, heads, d)), jnp.bfloat16)

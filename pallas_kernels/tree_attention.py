@@ -6,12 +6,14 @@ mask of `TreeBatch` (spinf_jax.models.layers), optional sliding window over tree
 `blockwise` (pure JAX, the CPU path) and `kernel` (Pallas, GPUs) compute it so that a row's bits depend on
 its own content and question alone. A row sees the trunk of its tree (BOS + content) and the rows of its own
 branch (its question's template and option trie) above it; nothing else. The two parts are read separately,
-each in key blocks that start at a fixed place: the trunk in blocks counted from the tree's first row (trees
-start on block boundaries), the branch in BRANCH_BLOCK-key blocks counted from the branch's first row. One
-online softmax runs over the trunk blocks, then over the branch blocks. The keys a reduction adds up, and the
-offsets they sit at, are then the same whatever else is in the pass: other contents, other questions of the
-same content, their order. Blocks that hold none of a row's keys may be visited for the sake of other rows in
-the same query block; for that row they add exact zeros and leave its state bit for bit as it was.
+each in key blocks that start at a fixed place: the trunk in blocks counted from the tree's first row, the
+branch in BRANCH_BLOCK-key blocks counted from the branch's first row. One online softmax runs over the trunk
+blocks, then over the branch blocks. The keys a reduction adds up, and the offsets they sit at, are then the
+same whatever else is in the pass: other contents, other questions of the same content, their order, where
+the tree starts. A query block may hold rows of several trees (trees start on any row; the packer puts them
+on 16-row boundaries) and of several branches: it reads each one's blocks in turn (`trunk_lists`,
+`branch_lists`). Blocks that hold none of a row's keys, visited for the sake of other rows in the same query
+block, add exact zeros for it and leave its state bit for bit as it was.
 
 `reach` (optional, [T]) lets a row see keys after itself: row i sees keys j < reach[i] (i + 1 without it).
 An image's soft tokens attend to each other both ways (Gemma 3), and they are all in the trunk.
@@ -80,34 +82,51 @@ def _reach(reach: jax.Array | None, t: int) -> jax.Array:
     return jnp.arange(1, t + 1, dtype=jnp.int32) if reach is None else reach
 
 
-def trunk_last_block(trunk_end: jax.Array, block: int, reach: jax.Array | None = None) -> jax.Array:
-    """[T // block]: the last key block a query block reads in its trunk part (the last its rows reach: its
-    own block, or further where an image's rows see the rest of their image)."""
-    n = trunk_end.shape[0] // block
-    last = (jnp.max(trunk_end.reshape(n, block), axis=1) - 1) // block
-    reached = (jnp.max(_reach(reach, trunk_end.shape[0]).reshape(n, block), axis=1) - 1) // block
-    return jnp.minimum(last, reached)
+def _listed(flags: jax.Array, values: jax.Array, tile: int) -> jax.Array:
+    """[n, tile]: `values` at the rows where `flags` is set, each query tile's in row order from column 0,
+    the unused columns 0 (n = T // tile)."""
+    n = flags.shape[0] // tile
+    flags = flags.reshape(n, tile)
+    slot = jnp.where(flags, jnp.cumsum(flags, axis=1) - 1, tile)  # `tile`: out of range, dropped
+    which = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, tile))
+    return jnp.zeros((n, tile), jnp.int32).at[which, slot].set(values.reshape(n, tile), mode="drop")
+
+
+def trunk_lists(
+    tree_start: jax.Array, trunk_end: jax.Array, tile: int, reach: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The trees that have rows in each query tile: (first row of each tree [n, tile], the last trunk key
+    its rows there reach [n, tile], how many [n]) for n = T // tile, in row order, unused entries 0. A
+    tree's rows reach its trunk up to themselves (an image's rows to their image's end), its branch rows
+    the whole trunk."""
+    t = tree_start.shape[0]
+    rows = jnp.arange(t, dtype=jnp.int32)
+    previous = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tree_start[:-1]])
+    first = (rows % tile == 0) | (tree_start != previous)
+    # Each row's entry: the running count of first rows in its tile; the entry's last key is the most
+    # any of its rows reaches.
+    entry = (rows // tile) * tile + jnp.cumsum(first.reshape(-1, tile), axis=1).reshape(-1) - 1
+    reached = jax.ops.segment_max(jnp.minimum(trunk_end, _reach(reach, t)) - 1, entry, num_segments=t)
+    counts = jnp.sum(first.reshape(-1, tile), axis=1)
+    last = jnp.where(jnp.arange(tile)[None, :] < counts[:, None], reached.reshape(-1, tile), 0)
+    return _listed(first, tree_start, tile), last, counts
 
 
 def branch_lists(branch_start: jax.Array, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The branches that have rows in each query block: (first row of each branch [n, block], last row of it
     inside the block [n, block], how many [n]) for n = T // block, in row order, unused entries 0."""
     t = branch_start.shape[0]
-    n = t // block
     rows = jnp.arange(t, dtype=jnp.int32)
     inside = branch_start <= rows
     col = rows % block
     following = jnp.concatenate([branch_start[1:], jnp.full((1,), -1, jnp.int32)])
     first = inside & ((col == 0) | (branch_start == rows))
     last = inside & ((col == block - 1) | (following != branch_start))
-
-    def listed(flags, values):
-        flags = flags.reshape(n, block)
-        slot = jnp.where(flags, jnp.cumsum(flags, axis=1) - 1, block)  # `block`: out of range, dropped
-        which = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, block))
-        return jnp.zeros((n, block), jnp.int32).at[which, slot].set(values.reshape(n, block), mode="drop")
-
-    return listed(first, branch_start), listed(last, rows), jnp.sum(first.reshape(n, block), axis=1)
+    return (
+        _listed(first, branch_start, block),
+        _listed(last, rows, block),
+        jnp.sum(first.reshape(-1, block), axis=1),
+    )
 
 
 def _online_softmax_step(state, s, values, dot):
@@ -131,34 +150,32 @@ def blockwise(
     span_end: jax.Array,  # [T]
     trunk_end: jax.Array,  # [T]: end of the row's trunk (i + 1 for padding)
     branch_start: jax.Array,  # [T]: first row of the row's branch (i + 1 for trunk rows and padding)
-    tree_start_block: jax.Array,  # [T // block]: first key block of the tree each query block belongs to
+    tree_start: jax.Array,  # [T]: first row of the row's tree
     *,
     scale: float,
     window: int | None = None,
     block: int,
     reach: jax.Array | None = None,  # [T]
 ) -> jax.Array:  # [T, H, D]
-    """Tree attention in plain JAX, one query block at a time: trunk key blocks from the tree's first block,
-    then, for each branch with rows in the block, BRANCH_BLOCK-key blocks from the branch's first row (see
-    the module docstring). This is the algorithm the GPU kernel implements."""
+    """Tree attention in plain JAX, one query block at a time: for each tree with rows in the block,
+    `block`-key blocks of its trunk from the tree's first row, then, for each branch with rows in the block,
+    BRANCH_BLOCK-key blocks from the branch's first row (see the module docstring). This is the algorithm
+    the GPU kernel implements."""
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     t, h, d = q.shape
     kv = k.shape[1]
     groups = h // kv
     nb = t // block
     qb = q.reshape(nb, block, kv, groups, d)
-    kb = k.reshape(nb, block, kv, d)
-    vb = v.reshape(nb, block, kv, d)
-    # A branch block may run past the pass's end (its keys there are never visible); pad so that
-    # dynamic_slice reads zeros there instead of moving the block back.
-    k_pad = jnp.pad(k, ((0, BRANCH_BLOCK), (0, 0), (0, 0)))
-    v_pad = jnp.pad(v, ((0, BRANCH_BLOCK), (0, 0), (0, 0)))
+    # A key block may run past the pass's end (its keys there are never visible); pad so that dynamic_slice
+    # reads zeros there instead of moving the block back.
+    pad = ((0, max(block, BRANCH_BLOCK)), (0, 0), (0, 0))
+    k_pad, v_pad = jnp.pad(k, pad), jnp.pad(v, pad)
     offsets = jnp.arange(block, dtype=jnp.int32)
-    branch_offsets = jnp.arange(BRANCH_BLOCK, dtype=jnp.int32)
     exact = matmul_precision(q.dtype)
-    trunk_last = trunk_last_block(trunk_end, block, reach)
+    trunks = trunk_lists(tree_start, trunk_end, block, reach)
+    branches = branch_lists(branch_start, block)
     reach = _reach(reach, t)
-    first_rows, last_rows, counts = branch_lists(branch_start, block)
 
     def scores(q_block, keys):  # [block, K, G, D], [keys, K, D] → [K, G, block, keys] f32
         s = jnp.einsum("bkgd,ckd->kgbc", q_block, keys, precision=exact, preferred_element_type=jnp.float32)
@@ -167,67 +184,75 @@ def blockwise(
     def weighted(p, values):  # [K, G, block, keys], [keys, K, D] → [K, G, block, D] f32
         return jnp.einsum("kgbc,ckd->kgbd", p, values, precision=exact, preferred_element_type=jnp.float32)
 
-    def query_block(i, q_block, first_rows, last_rows, count):
+    def query_block(
+        i, q_block, trunk_first, trunk_last, trunk_count, branch_first, branch_last, branch_count
+    ):
         # One query block at a time, with the same loop body whatever the pass size: the row bits then
         # depend only on the rows' own keys (vectorising over all query blocks let XLA's CPU code vary
         # with T).
         q_idx = i * block + offsets
         q_pos = positions[q_idx]
 
-        def visible(k_idx, own):  # [block, keys]: the tree mask, restricted to one part
-            ok = (k_idx[None, :] < reach[q_idx][:, None]) & (q_idx[:, None] < span_end[k_idx][None, :]) & own
-            if window is not None:
-                ok &= q_pos[:, None] - positions[k_idx][None, :] < window
-            return ok[None, None]
+        def part(state, firsts, lasts, count, size, own):
+            """One part's key blocks: for each of its entries, `size`-key blocks from the entry's first row
+            through the one holding its last key. own(first, k_idx) [block, keys]: the part's test."""
 
-        def trunk_step(key_block, state):
-            k_idx = key_block * block + offsets
-            own = k_idx[None, :] < trunk_end[q_idx][:, None]
-            s = jnp.where(visible(k_idx, own), scores(q_block, kb[key_block]), -jnp.inf)
-            return _online_softmax_step(state, s, vb[key_block], weighted)
+            def entry(j, state):
+                first = firsts[j]
 
-        def branch(j, state):
-            first = first_rows[j]
-            own = (branch_start[q_idx] == first)[:, None]
+                def step(r, state):
+                    start = first + r * size
+                    # Indices past the end are clamped by the gathers below; those keys come after every
+                    # query row, so the causal test hides them anyway.
+                    k_idx = start + jnp.arange(size, dtype=jnp.int32)
+                    ok = (k_idx[None, :] < reach[q_idx][:, None]) & (
+                        q_idx[:, None] < span_end[k_idx][None, :]
+                    )
+                    ok &= own(first, k_idx)
+                    if window is not None:
+                        ok &= q_pos[:, None] - positions[k_idx][None, :] < window
+                    keys = jax.lax.dynamic_slice_in_dim(k_pad, start, size)
+                    s = jnp.where(ok[None, None], scores(q_block, keys), -jnp.inf)
+                    return _online_softmax_step(
+                        state, s, jax.lax.dynamic_slice_in_dim(v_pad, start, size), weighted
+                    )
 
-            def step(r, state):
-                start = first + r * BRANCH_BLOCK
-                # Indices past the end are clamped by the gathers in `visible`; those keys come after every
-                # query row, so the causal test hides them anyway.
-                k_idx = start + branch_offsets
-                keys = jax.lax.dynamic_slice_in_dim(k_pad, start, BRANCH_BLOCK)
-                values = jax.lax.dynamic_slice_in_dim(v_pad, start, BRANCH_BLOCK)
-                s = jnp.where(visible(k_idx, own), scores(q_block, keys), -jnp.inf)
-                return _online_softmax_step(state, s, values, weighted)
+                return jax.lax.fori_loop(0, (lasts[j] - first) // size + 1, step, state)
 
-            return jax.lax.fori_loop(0, (last_rows[j] - first) // BRANCH_BLOCK + 1, step, state)
+            return jax.lax.fori_loop(0, count, entry, state)
 
         state = (
             jnp.full((kv, groups, block), -jnp.inf, jnp.float32),
             jnp.zeros((kv, groups, block), jnp.float32),
             jnp.zeros((kv, groups, block, d), jnp.float32),
         )
-        state = jax.lax.fori_loop(tree_start_block[i], trunk_last[i] + 1, trunk_step, state)
-        _, denom, acc = jax.lax.fori_loop(0, count, branch, state)
+        # A tree's trunk: its padding's runs may start among its keys (packer.tree_starts), hence the first
+        # row's test.
+        in_trunk = lambda first, k_idx: (  # noqa: E731
+            (tree_start[q_idx] == first)[:, None] & (k_idx[None, :] < trunk_end[q_idx][:, None])
+        )
+        in_branch = lambda first, k_idx: (branch_start[q_idx] == first)[:, None]  # noqa: E731
+        state = part(state, trunk_first, trunk_last, trunk_count, block, in_trunk)
+        _, denom, acc = part(state, branch_first, branch_last, branch_count, BRANCH_BLOCK, in_branch)
         out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]  # [kv, groups, block, d]
         return out.transpose(2, 0, 1, 3).reshape(block, h, d)
 
-    out = late_map(
-        lambda args: query_block(*args), (jnp.arange(nb, dtype=jnp.int32), qb, first_rows, last_rows, counts)
-    )
+    out = late_map(lambda args: query_block(*args), (jnp.arange(nb, dtype=jnp.int32), qb, *trunks, *branches))
     return out.reshape(t, h, d).astype(q.dtype)
 
 
 def _kernel(
-    start_ref,  # [n] first key tile of the query tile's tree
-    trunk_last_ref,  # [n] last key tile of its trunk part
-    count_ref,  # [n] branches with rows in the query tile
-    first_ref,  # [n * tile] their first rows
-    last_ref,  # [n * tile] their last rows inside the query tile
+    trunk_count_ref,  # [n] trees with rows in the query tile
+    trunk_first_ref,  # [n * tile] their first rows
+    trunk_last_ref,  # [n * tile] the last trunk key their rows in the tile reach
+    branch_count_ref,  # [n] branches with rows in the query tile
+    branch_first_ref,  # [n * tile] their first rows
+    branch_last_ref,  # [n * tile] their last rows inside the query tile
     pos_ref,
     end_ref,
     trunk_end_ref,
     branch_ref,
+    tree_ref,
     reach_ref,
     q_ref,
     k_ref,
@@ -239,8 +264,9 @@ def _kernel(
     scale,
     window,
 ):
-    """One query tile of one head: online softmax over its trunk's key tiles, then over each of its branches'
-    `branch_block`-key blocks counted from the branch's first row (blockwise, on the GPU)."""
+    """One query tile of one head: online softmax over its trees' trunks in `tile`-key blocks counted from
+    each tree's first row, then over its branches in `branch_block`-key blocks counted from each branch's
+    first row (blockwise, on the GPU)."""
     i = pl.program_id(0)
     t = pos_ref.shape[0]
     q = q_ref[...]  # [tile, D]
@@ -250,48 +276,44 @@ def _kernel(
     q_pos = pos_ref[rows]
     q_trunk_end = trunk_end_ref[rows]
     q_branch = branch_ref[rows]
+    q_tree = tree_ref[rows]
     q_reach = reach_ref[rows]
 
     def dot(p, values):
         return plgpu.dot(p, values, allow_tf32=not exact)
 
-    def masked_scores(keys, k_idx, k_end, k_pos, own):
-        s = plgpu.dot(q, keys, trans_b=True, allow_tf32=not exact) * scale  # [tile, keys] f32
-        ok = (k_idx[None, :] < q_reach[:, None]) & (q_idx[:, None] < k_end[None, :]) & own
-        if window is not None:
-            ok &= q_pos[:, None] - k_pos[None, :] < window
-        return jnp.where(ok, s, -jnp.inf)
+    def part(state, count_ref, first_ref, last_ref, size, own):
+        def entry(j, state):
+            first = first_ref[i * tile + j]
 
-    def trunk_step(kb, state):
-        keys = pl.ds(kb * tile, tile)
-        k_idx = kb * tile + jnp.arange(tile, dtype=jnp.int32)
-        own = k_idx[None, :] < q_trunk_end[:, None]
-        s = masked_scores(k_ref[keys, :], k_idx, end_ref[keys], pos_ref[keys], own)
-        return _online_softmax_step(state, s, v_ref[keys, :], dot)
+            def step(r, state):
+                keys = pl.ds(first + r * size, size)
+                k_idx = first + r * size + jnp.arange(size, dtype=jnp.int32)
+                ok = k_idx < t  # a block may run past the pass's end: load nothing there
+                k_end = plgpu.load(end_ref.at[keys], mask=ok, other=0)  # span 0: invisible
+                k_pos = plgpu.load(pos_ref.at[keys], mask=ok, other=0)
+                key_rows = plgpu.load(k_ref.at[keys, :], mask=ok[:, None], other=0.0)
+                values = plgpu.load(v_ref.at[keys, :], mask=ok[:, None], other=0.0)
+                s = plgpu.dot(q, key_rows, trans_b=True, allow_tf32=not exact) * scale  # [tile, size] f32
+                visible = (k_idx[None, :] < q_reach[:, None]) & (q_idx[:, None] < k_end[None, :])
+                visible &= own(first, k_idx)
+                if window is not None:
+                    visible &= q_pos[:, None] - k_pos[None, :] < window
+                return _online_softmax_step(state, jnp.where(visible, s, -jnp.inf), values, dot)
 
-    def branch(j, state):
-        first = first_ref[i * tile + j]
-        own = (q_branch == first)[:, None]
+            return jax.lax.fori_loop(0, (last_ref[i * tile + j] - first) // size + 1, step, state)
 
-        def step(r, state):
-            keys = pl.ds(first + r * branch_block, branch_block)
-            k_idx = first + r * branch_block + jnp.arange(branch_block, dtype=jnp.int32)
-            ok = k_idx < t  # a block may run past the pass's end: load nothing there
-            k_end = plgpu.load(end_ref.at[keys], mask=ok, other=0)  # span 0: invisible
-            k_pos = plgpu.load(pos_ref.at[keys], mask=ok, other=0)
-            key_rows = plgpu.load(k_ref.at[keys, :], mask=ok[:, None], other=0.0)
-            values = plgpu.load(v_ref.at[keys, :], mask=ok[:, None], other=0.0)
-            return _online_softmax_step(state, masked_scores(key_rows, k_idx, k_end, k_pos, own), values, dot)
-
-        return jax.lax.fori_loop(0, (last_ref[i * tile + j] - first) // branch_block + 1, step, state)
+        return jax.lax.fori_loop(0, count_ref[i], entry, state)
 
     state = (
         jnp.full((tile,), -jnp.inf, jnp.float32),
         jnp.zeros((tile,), jnp.float32),
         jnp.zeros((tile, q.shape[-1]), jnp.float32),
     )
-    state = jax.lax.fori_loop(start_ref[i], trunk_last_ref[i] + 1, trunk_step, state)
-    _, denom, acc = jax.lax.fori_loop(0, count_ref[i], branch, state)
+    in_trunk = lambda first, k_idx: (q_tree == first)[:, None] & (k_idx[None, :] < q_trunk_end[:, None])  # noqa: E731
+    in_branch = lambda first, k_idx: (q_branch == first)[:, None]  # noqa: E731
+    state = part(state, trunk_count_ref, trunk_first_ref, trunk_last_ref, tile, in_trunk)
+    _, denom, acc = part(state, branch_count_ref, branch_first_ref, branch_last_ref, branch_block, in_branch)
     o_ref[...] = (acc / jnp.where(denom == 0, 1.0, denom)[:, None]).astype(o_ref.dtype)
 
 
@@ -304,7 +326,7 @@ def kernel(
     span_end: jax.Array,  # [T]
     trunk_end: jax.Array,  # [T]
     branch_start: jax.Array,  # [T]
-    tree_start_block: jax.Array,  # [T // block]
+    tree_start: jax.Array,  # [T]
     *,
     scale: float,
     window: int | None = None,
@@ -314,29 +336,29 @@ def kernel(
     interpret: bool = False,
     reach: jax.Array | None = None,  # [T]
 ) -> jax.Array:  # [T, H, D]
-    """`blockwise` as a Pallas kernel (Triton backend): a program per (query tile, head) reads its trunk's
-    key tiles and then its branches' key blocks, so tiles no query in it can see are skipped, and the order
+    """`blockwise` as a Pallas kernel (Triton backend): a program per (query tile, head) reads its trees'
+    trunk tiles and then its branches' key blocks, so tiles no query in it can see are skipped, and the order
     of each row's reduction is its own content's and question's whatever else shares the pass.
 
-    Trees are aligned to `block`; the kernel works in tiles of `tile` ≤ block rows. By default 64 rows while
-    a row of q is at most 512 bytes (bf16 head_dim 256), else 32: q, k, v tiles and the scores must fit the
-    H200's 227 KiB of shared memory (f32 at head_dim 256 with 64-row tiles asked for 256 KiB)."""
+    The kernel works in tiles of `tile` rows (a divisor of `block`, which T is a multiple of); by default 64
+    while a row of q is at most 512 bytes (bf16 head_dim 256), else 32: q, k, v tiles and the scores must
+    fit the H200's 227 KiB of shared memory (f32 at head_dim 256 with 64-row tiles asked for 256 KiB)."""
     t, h, d = q.shape
     groups = h // k.shape[1]
     tile = min(tile or (64 if d * q.dtype.itemsize <= 512 else 32), block)
-    per_block = block // tile
     n = t // tile
-    start = jnp.repeat(tree_start_block * per_block, per_block)  # in tiles now
-    first_rows, last_rows, counts = branch_lists(branch_start, tile)
+    trunk_first, trunk_last, trunk_count = trunk_lists(tree_start, trunk_end, tile, reach)
+    branch_first, branch_last, branch_count = branch_lists(branch_start, tile)
     whole = lambda i, j: (0,)  # noqa: E731 - index maps are tiny lambdas by convention
+    lists = [pl.BlockSpec((n,), whole), *[pl.BlockSpec((n * tile,), whole)] * 2]
     return pl.pallas_call(
         partial(_kernel, tile=tile, branch_block=branch_block, scale=scale, window=window),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(n, h),
         in_specs=[
-            *[pl.BlockSpec((n,), whole)] * 3,
-            *[pl.BlockSpec((n * tile,), whole)] * 2,
-            *[pl.BlockSpec((t,), whole)] * 5,
+            *lists,
+            *lists,
+            *[pl.BlockSpec((t,), whole)] * 6,
             pl.BlockSpec((tile, None, d), lambda i, j: (i, j, 0)),
             pl.BlockSpec((t, None, d), lambda i, j: (0, j // groups, 0)),
             pl.BlockSpec((t, None, d), lambda i, j: (0, j // groups, 0)),
@@ -346,15 +368,17 @@ def kernel(
         interpret=interpret,
         name="tree_attention",
     )(
-        start,
-        trunk_last_block(trunk_end, tile, reach),
-        counts,
-        first_rows.reshape(-1),
-        last_rows.reshape(-1),
+        trunk_count,
+        trunk_first.reshape(-1),
+        trunk_last.reshape(-1),
+        branch_count,
+        branch_first.reshape(-1),
+        branch_last.reshape(-1),
         positions,
         span_end,
         trunk_end,
         branch_start,
+        tree_start,
         _reach(reach, t),
         q,
         k,

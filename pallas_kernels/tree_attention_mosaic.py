@@ -2,12 +2,14 @@
 
 The algorithm is tree_attention.blockwise's, as in the Triton kernel (tree_attention.kernel): a row reads the
 trunk of its tree in key tiles counted from the tree's first row, then its own branch in BRANCH_BLOCK-key
-blocks counted from the branch's first row, with one online softmax over both. The keys each reduction adds
+blocks counted from the branch's first row, with one online softmax over both. A tree's first row must be a
+multiple of 8 (the packer's trees start on 16-row boundaries): its trunk tiles are copied into tiled shared
+memory, which starts only at whole 8-row units. The keys each reduction adds
 up, and the offsets they sit at, are then the same whatever else is in the pass.
 
 A program per (64-row query tile, head), one warpgroup. wgmma multiplies 64 rows at a time, so the query tile
-and the trunk's key tile are 64 rows at every head size. The tile's plan (its tree's first key tile, its
-trunk's last, the branches with rows in it) and the rows' tree fields travel through shared memory with the
+and the trunk's key tile are 64 rows at every head size. The tile's plan (the trees and the branches with rows
+in it) and the rows' tree fields travel through shared memory with the
 keys; a key block that runs past the pass's end is filled with zeros by the copy (span 0: invisible).
 bf16 and f16 only: wgmma has no f32 (its TF32 would not be f32 attention), which stays on the Triton kernel.
 
@@ -25,15 +27,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.tree_attention import BRANCH_BLOCK, branch_lists, trunk_last_block
+from pallas_kernels.tree_attention import BRANCH_BLOCK, branch_lists, trunk_lists
 
 TILE = 64  # query rows per program and keys per trunk step: wgmma's M
-# The tile's plan, one int32 row per tile: its tree's first key tile, its trunk's last, how many branches,
-# five zeros (a copy moves whole 16-byte units), then the branches' first rows and their last rows in the
-# tile.
+# The tile's plan, one int32 row per tile: how many trees and how many branches have rows in it, six zeros (a
+# copy moves whole 16-byte units), then TILE entries each of the trees' first rows, the last trunk keys their
+# rows in the tile reach, the branches' first rows, and their last rows in the tile.
 PLAN_HEAD = 8
-# The rows' tree fields, copied per key block beside the keys: [4, T] for tiles, [T, 4] for branch blocks.
-POS, END, TRUNK_END, BRANCH = range(4)
+TREE_FIRST, TREE_LAST, BRANCH_FIRST, BRANCH_LAST = (PLAN_HEAD + i * TILE for i in range(4))
+# The rows' tree fields, copied per key block beside the keys: [5, T] for tiles, [T, 4] (the first four) for
+# branch blocks.
+POS, END, TRUNK_END, BRANCH, TREE = range(5)
 # A branch block starts at any row, and a copy into tiled shared memory only at a multiple of 8 rows: the
 # block is copied untiled, then moved through registers into the tiled layouts wgmma reads. Its values are
 # P·V's contraction side, whose length (BRANCH_BLOCK keys) wgmma takes in multiples of the swizzle's width:
@@ -43,14 +47,14 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # a value per query row of a [TILE, keys] wg
 COL = plgpu.Layout.WGMMA.reduce(0)  # a value per key
 
 
-def plan(tree_start_block: jax.Array, trunk_end: jax.Array, branch_start: jax.Array, block: int) -> jax.Array:
-    """[T // TILE, PLAN_HEAD + 2 * TILE] int32: what each query tile reads (see PLAN_HEAD)."""
-    per_block = block // TILE
+def plan(tree_start: jax.Array, trunk_end: jax.Array, branch_start: jax.Array) -> jax.Array:
+    """[T // TILE, PLAN_HEAD + 4 * TILE] int32: what each query tile reads (see PLAN_HEAD)."""
     n = trunk_end.shape[0] // TILE
-    start = jnp.repeat(tree_start_block * per_block, per_block)
-    first, last, count = branch_lists(branch_start, TILE)
-    head = jnp.stack([start, trunk_last_block(trunk_end, TILE), count], axis=1)
-    return jnp.concatenate([head, jnp.zeros((n, PLAN_HEAD - 3), jnp.int32), first, last], axis=1)
+    trees, tree_last, tree_count = trunk_lists(tree_start, trunk_end, TILE)
+    branches, branch_last, branch_count = branch_lists(branch_start, TILE)
+    head = jnp.stack([tree_count, branch_count], axis=1)
+    pad = jnp.zeros((n, PLAN_HEAD - 2), jnp.int32)
+    return jnp.concatenate([head, pad, trees, tree_last, branches, branch_last], axis=1)
 
 
 def _online_softmax_step(state, s, values, p_s):
@@ -77,19 +81,19 @@ def _online_softmax_step(state, s, values, p_s):
 
 
 def _kernel(
-    plan_ref,  # [n, PLAN_HEAD + 2 * TILE]
-    rows_ref,  # [4, T]: positions, span_end, trunk_end, branch_start
+    plan_ref,  # [n, PLAN_HEAD + 4 * TILE]
+    rows_ref,  # [5, T]: positions, span_end, trunk_end, branch_start, tree_start
     fields_ref,  # [T, 4]: the same, a row's four together (for branch blocks, which start at any row)
     q_ref,  # [T, H, D]
     k_ref,  # [T, K, D]
     v_ref,  # [T, K, D]
     o_ref,  # [T, H, D]
     plan_s,
-    q_rows_s,  # [4, TILE]
+    q_rows_s,  # [5, TILE]
     q_s,  # [TILE, D]; the output on the way out
     k_s,  # [slots, TILE, D]
     v_s,
-    k_rows_s,  # [slots, 4, TILE]
+    k_rows_s,  # [slots, 5, TILE]
     bk_s,  # [BRANCH_BLOCK, D]
     bv_s,
     p_s,  # [TILE, TILE]: a trunk step's probabilities
@@ -138,7 +142,7 @@ def _kernel(
             ok &= q_field(POS, s.shape) - k_field(POS) < window
         return jnp.where(ok, s, -jnp.inf)
 
-    def tile_field(key_rows):  # a trunk tile's fields, [4, TILE] in shared memory
+    def tile_field(key_rows):  # a trunk tile's fields, [5, TILE] in shared memory
         return lambda f: lax.broadcast_in_dim(plgpu.load(key_rows.at[f], layout=COL), (TILE, TILE), [1])
 
     def block_field(f):
@@ -150,43 +154,59 @@ def _kernel(
             out = jnp.where(column == c, b_rows_s[c, f], out)
         return out
 
-    def load_trunk(kb, slot):
-        keys = pl.ds(kb * TILE, TILE)
+    def load_trunk(first_key, slot):
+        keys = pl.ds(first_key, TILE)
         plgpu.copy_gmem_to_smem(k_ref.at[keys, kv], k_s.at[slot], bar_k.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[keys, kv], v_s.at[slot], bar_v.at[slot])
         plgpu.copy_gmem_to_smem(rows_ref.at[:, keys], k_rows_s.at[slot], bar_rows.at[slot])
 
-    start, last = plan_s[0], plan_s[1]
+    trees = plan_s[0]
 
-    def trunk_step(kb, state):
-        slot = lax.rem(kb - start, jnp.array(slots, kb.dtype))
-        following = lax.rem(kb + 1 - start, jnp.array(slots, kb.dtype))
-        if slots > 1:  # the next tile's copy runs under this tile's arithmetic
+    def tiles_of(e):  # the trunk tiles tree e reads for this query tile
+        return (plan_s[TREE_LAST + e] - plan_s[TREE_FIRST + e]) // TILE + 1
 
-            @pl.when(kb < last)
-            def _():
-                load_trunk(kb + 1, following)
+    def tree(e, carry):
+        def trunk_step(r, carry):
+            state, n = carry  # n: trunk tiles read so far, which picks the slot
+            first_key = plan_s[TREE_FIRST + e] + r * TILE
+            slot = lax.rem(n, jnp.array(slots, n.dtype))
+            following = lax.rem(n + 1, jnp.array(slots, n.dtype))
+            # The next tile: this tree's next, or the next tree's first.
+            same_tree = r + 1 < tiles_of(e)
+            next_key = jnp.where(same_tree, first_key + TILE, plan_s[TREE_FIRST + e + 1])
+            more = same_tree | (e + 1 < trees)
+            if slots > 1:  # the next tile's copy runs under this tile's arithmetic
 
-        plgpu.barrier_wait(bar_k.at[slot])
-        plgpu.barrier_wait(bar_rows.at[slot])
-        trunk_end = q_field(TRUNK_END, (TILE, TILE))
-        s = masked_scores(
-            k_s.at[slot], tile_field(k_rows_s.at[slot]), kb * TILE, lambda k_idx: k_idx < trunk_end
-        )
-        plgpu.barrier_wait(bar_v.at[slot])
-        state = _online_softmax_step(state, s, v_s.at[slot], p_s)
-        if slots == 1:  # the slot is free again only now
+                @pl.when(more)
+                def _():
+                    load_trunk(next_key, following)
 
-            @pl.when(kb < last)
-            def _():
-                load_trunk(kb + 1, following)
+            plgpu.barrier_wait(bar_k.at[slot])
+            plgpu.barrier_wait(bar_rows.at[slot])
+            trunk_end = q_field(TRUNK_END, (TILE, TILE))
+            own_rows = q_field(TREE, (TILE, TILE)) == plan_s[TREE_FIRST + e]  # padding may share keys
+            s = masked_scores(
+                k_s.at[slot],
+                tile_field(k_rows_s.at[slot]),
+                first_key,
+                lambda k_idx: own_rows & (k_idx < trunk_end),
+            )
+            plgpu.barrier_wait(bar_v.at[slot])
+            state = _online_softmax_step(state, s, v_s.at[slot], p_s)
+            if slots == 1:  # the slot is free again only now
 
-        return state
+                @pl.when(more)
+                def _():
+                    load_trunk(next_key, following)
+
+            return state, n + 1
+
+        return lax.fori_loop(0, tiles_of(e), trunk_step, carry)
 
     d = q_s.shape[-1]
 
     def branch(j, state):
-        first = plan_s[PLAN_HEAD + j]
+        first = plan_s[BRANCH_FIRST + j]
         own_rows = q_field(BRANCH, (TILE, BRANCH_BLOCK)) == first
 
         def step(r, state):
@@ -203,7 +223,7 @@ def _kernel(
             s = masked_scores(bk_s, block_field, first + r * BRANCH_BLOCK, lambda k_idx: own_rows)
             return _online_softmax_step(state, s, bv_s, bp_s)
 
-        return lax.fori_loop(0, (plan_s[PLAN_HEAD + TILE + j] - first) // BRANCH_BLOCK + 1, step, state)
+        return lax.fori_loop(0, (plan_s[BRANCH_LAST + j] - first) // BRANCH_BLOCK + 1, step, state)
 
     state = (
         plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), ROW),
@@ -211,12 +231,12 @@ def _kernel(
         plgpu.layout_cast(jnp.full((TILE, d), 0.0, jnp.float32), plgpu.Layout.WGMMA),
     )
 
-    @pl.when(start <= last)
+    @pl.when(trees > 0)
     def _():
-        load_trunk(start, 0)
+        load_trunk(plan_s[TREE_FIRST], 0)
 
-    state = lax.fori_loop(start, last + 1, trunk_step, state)
-    _, denom, acc = lax.fori_loop(0, plan_s[2], branch, state)
+    state, _ = lax.fori_loop(0, trees, tree, (state, jnp.int32(0)))
+    _, denom, acc = lax.fori_loop(0, plan_s[1], branch, state)
     denom = jnp.where(denom == 0, 1.0, denom)
     q_s[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(q_s.dtype)
     plgpu.commit_smem()
@@ -240,7 +260,7 @@ def kernel(
     span_end: jax.Array,  # [T]
     trunk_end: jax.Array,  # [T]
     branch_start: jax.Array,  # [T]
-    tree_start_block: jax.Array,  # [T // block]
+    tree_start: jax.Array,  # [T]: multiples of 8
     *,
     scale: float,
     window: int | None = None,
@@ -254,8 +274,8 @@ def kernel(
     t, h, d = q.shape
     if not supports(q.dtype, d) or block % TILE or t % TILE:
         raise ValueError(f"Mosaic tree attention: {q.dtype} head_dim {d}, block {block}, {t} rows")
-    tiles = plan(tree_start_block, trunk_end, branch_start, block)
-    rows = jnp.stack([positions, span_end, trunk_end, branch_start]).astype(jnp.int32)
+    tiles = plan(tree_start, trunk_end, branch_start)
+    rows = jnp.stack([positions, span_end, trunk_end, branch_start, tree_start]).astype(jnp.int32)
 
     def operand(*shape, swizzle=128):
         tiling = plgpu.TilingTransform((8, swizzle // q.dtype.itemsize))
@@ -268,11 +288,11 @@ def kernel(
         grid_names=("tile", "head"),
         scratch_types=[
             plgpu.SMEM(tiles.shape[1:], jnp.int32),
-            plgpu.SMEM((4, TILE), jnp.int32),
+            plgpu.SMEM((5, TILE), jnp.int32),
             operand(TILE, d),
             operand(slots, TILE, d),
             operand(slots, TILE, d),
-            plgpu.SMEM((slots, 4, TILE), jnp.int32),
+            plgpu.SMEM((slots, 5, TILE), jnp.int32),
             operand(BRANCH_BLOCK, d),
             operand(BRANCH_BLOCK, d, swizzle=BRANCH_SWIZZLE),
             operand(TILE, TILE),
@@ -287,4 +307,4 @@ def kernel(
         ],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="tree_attention_mosaic",
-    )(tiles, rows, rows.T, q, k, v)
+    )(tiles, rows, rows[:4].T, q, k, v)

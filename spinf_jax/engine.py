@@ -556,9 +556,9 @@ class Engine:
         return self._configured.with_sizes(tuple(s for s in self._configured.sizes if s >= size))
 
     def _pass_args(self, p: Pass) -> tuple:
-        arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start_block)
+        arrays = (p.tokens, p.positions, p.span_end, p.trunk_end, p.branch_start, p.tree_start)
         recurrent = (p.parent, p.chunks, p.export_rows)
-        batch = TreeBatch(*map(jnp.asarray, arrays), *map(jnp.asarray, recurrent))
+        batch = TreeBatch(*map(jnp.asarray, arrays), *map(jnp.asarray, recurrent), self.buckets.block)
         if p.media:  # as many media rows as the pass has rows: one program per bucket
             batch = batch.with_media(p.media, capacity=p.size)
         return self._weights, batch, (p.read_rows, p.target_read, p.target_token)

@@ -1,7 +1,8 @@
 """Packing token trees into passes of a few fixed bucket shapes.
 
-One compiled program serves each bucket size. Every tree starts on an attention-block boundary, so its
-results do not depend on where it lands or what shares its pass (see TreeBatch). Reads (rows whose
+One compiled program serves each bucket size. Attention reads every tree's keys in blocks counted from the
+tree's own first row, so its results do not depend on where it lands or what shares its pass (see
+TreeBatch); trees start on `Buckets.align`-row boundaries. Reads (rows whose
 next-token distribution is needed) and targets (token log-probs) have fixed per-bucket capacities too.
 """
 
@@ -45,14 +46,9 @@ def default_sizes() -> tuple[int, ...]:
 
 
 def default_block() -> int:
-    """The attention block trees are aligned to: 128 rows on the CPU, 64 on GPUs.
-
-    A tree takes whole blocks, so a short tree pays up to a block of padding: the moderation pack's ~130-token
-    trees filled 70% of their rows at 128 and 83% at 64; the seed job's ~1,200-token articles 93% and 98%. On
-    GPUs the kernel (pallas_kernels.tree_attention.kernel) reads keys in tiles of 64 or 32 rows counted from
-    the tree's first row, whatever the block, so a row's bits are the same at 64 as at 128. The CPU's
-    blockwise twin reads the trunk in blocks of `block` keys: there the block is part of the arithmetic, and
-    128 keeps its bits."""
+    """Pass sizes are multiples of the block, and it is the CPU twin's attention block (query rows and trunk
+    keys per step): 128 rows on the CPU, 64 on GPUs (where the kernel's tiles are 64 or 32 rows, whatever
+    the block). Trees do not align to it (Buckets.align)."""
     return 128 if jax.default_backend() == "cpu" else 64
 
 
@@ -60,6 +56,11 @@ def default_block() -> int:
 class Buckets:
     sizes: tuple[int, ...] = field(default_factory=default_sizes)
     block: int = field(default_factory=default_block)
+    # Trees start on multiples of this many rows. Attention counts a tree's key blocks from its first row, so
+    # any row would give the same bits; 16 keeps the Mosaic kernel's copies (whole 8-row units) aligned. The
+    # moderation pack's trees took 80% useful rows in their passes aligned to 64-row blocks, 95% at 16
+    # (benchmarks/results/bucket_rows-cpu-2026-12-06).
+    align: int = 16
     # Reads and targets a pass holds: one read per `read_every` rows, `targets_per_row` targets per row. A
     # pass computes only the reads it holds (engine._read_chunk), so capacity costs index arrays, not work:
     # every row can be read. A read per 4 rows and a target per row cut the moderation pack's passes by reads
@@ -139,7 +140,7 @@ class Buckets:
         return self.sizes[-1]
 
     def aligned(self, tokens: int) -> int:
-        return -(-tokens // self.block) * self.block
+        return -(-tokens // self.align) * self.align
 
     def max_exports(self, size: int) -> int:
         """Recurrent states a pass with extraction slots hands to decoding: one per slot."""
@@ -164,7 +165,7 @@ class Pass:
     span_end: np.ndarray  # [size]
     trunk_end: np.ndarray  # [size]
     branch_start: np.ndarray  # [size]
-    tree_start_block: np.ndarray  # [size // block]
+    tree_start: np.ndarray  # [size] first row of each row's tree (tree_starts)
     parent: np.ndarray  # [size] each row's parent on its path (-1: none); empty without recurrent layers
     chunks: np.ndarray  # [max_chunks, 4] recurrent chunks (Tree.recurrent_chunks), padded with empty ones
     export_rows: np.ndarray  # [max_exports] each slot's row, in slot order (-1: none); empty without slots
@@ -318,13 +319,11 @@ def _used(group: range, costs: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buckets: Buckets) -> Pass:
     size = next(s for s in buckets.sizes if buckets.fits(s, *used))
-    block = buckets.block
     tokens = np.zeros(size, np.int32)
     positions = np.zeros(size, np.int32)
     span_end = np.arange(1, size + 1, dtype=np.int32)  # padding sees only itself
     trunk_end = span_end.copy()
     branch_start = span_end.copy()
-    tree_start_block = np.arange(size // block, dtype=np.int32)
     parent = np.full(size if buckets.recurrent else 0, -1, np.int32)
     chunks = empty_chunks(buckets.max_chunks(size), size)
     export_rows = np.full(buckets.max_exports(size) if used[4] else 0, -1, np.int32)
@@ -333,6 +332,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
     target_read = np.zeros(buckets.max_targets(size), np.int32)
     target_token = np.zeros(buckets.max_targets(size), np.int32)
     offset, n_reads, n_targets, target_offset, read_offset, row_offset = 0, 0, 0, [], [], []
+    lengths = [len(trees[i]) for i in tree_ids]
     media = []
     for i in tree_ids:
         tree = trees[i]
@@ -342,8 +342,6 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
         span_end[offset : offset + n] = np.asarray(tree.span_end) + offset
         trunk_end[offset : offset + n] = offset + tree.trunk_tokens
         branch_start[offset : offset + n] = np.asarray(tree.branch_start) + offset
-        first, end = offset // block, buckets.aligned(offset + n) // block
-        tree_start_block[first:end] = first
         if buckets.recurrent:
             parents = np.asarray(tree.parent)
             parent[offset : offset + n] = np.where(parents < 0, -1, parents + offset)
@@ -373,7 +371,7 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
         span_end,
         trunk_end,
         branch_start,
-        tree_start_block,
+        tree_starts(size, list(zip(row_offset, lengths, strict=True)), buckets.align, buckets.block),
         parent,
         chunks,
         export_rows,
@@ -386,6 +384,20 @@ def _lay_out(tree_ids: list[int], trees: list[Tree], used: tuple[int, ...], buck
         row_offset,
         media,
     )
+
+
+def tree_starts(size: int, placed: list[tuple[int, int]], align: int, block: int) -> np.ndarray:
+    """[size]: the first row of each row's tree, for trees placed at (first row, rows), in order. Padding
+    rows (after a tree up to the next aligned row, and the pass's tail) start where their run does, rounded
+    down to `align`, and again at each `block` boundary: they see only themselves, and a query block
+    of padding reads one key block for them."""
+    start = np.arange(size, dtype=np.int32) // block * block
+    end = 0
+    for first, rows in [*placed, (size, 0)]:
+        start[end:first] = np.maximum(start[end:first], end - end % align)
+        start[first : first + rows] = first
+        end = first + rows
+    return start
 
 
 def empty_chunks(n: int, rows: int) -> np.ndarray:

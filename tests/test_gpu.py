@@ -56,11 +56,17 @@ def test_kernel_matches_reference(impl, head_dim, window):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.02)
 
 
-@pytest.mark.parametrize("slots", [1, 2])
-def test_mosaic_kernel_rows_bit_identical_whatever_the_companions(slots):
-    """On the GPU at Gemma 3's head size: every companion layout, at 64- and 128-row blocks."""
-    attend = partial(tree_attention_mosaic.kernel, slots=slots)
-    same_rows_in_every_layout(attend, blocks=(64, 128), rows=256, tol=2e-2, d=256, dtype=jnp.bfloat16)
+@pytest.mark.parametrize(
+    "attend",
+    [kernel, partial(tree_attention_mosaic.kernel, slots=1), partial(tree_attention_mosaic.kernel, slots=2)],
+    ids=["triton", "mosaic-1-slot", "mosaic-2-slots"],
+)
+def test_kernel_rows_bit_identical_whatever_the_companions(attend):
+    """On the GPU at Gemma 3's head size: every companion layout, at 64- and 128-row blocks, with trees on
+    block boundaries and on 8-row boundaries off them (the Mosaic kernel copies trunk tiles in 8-row
+    units; the packer puts trees on 16-row boundaries)."""
+    placements = ((64, 64, 0), (128, 128, 0), (64, 8, 5))
+    same_rows_in_every_layout(attend, placements, rows=256, tol=2e-2, d=256, dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize(

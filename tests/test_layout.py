@@ -122,6 +122,9 @@ def test_scores_bit_identical_alone_packed_and_in_other_buckets(engine):
     again = engine.score_trees([target])[0].logprobs
     for other in (packed_last, packed_middle, bigger_bucket, again):
         np.testing.assert_array_equal(other, alone)
+    # Trees start on 16-row boundaries: packed, the target shares its first attention block with another.
+    offsets = [o for p in pack([*others, target], engine.buckets) for o in p.row_offset]
+    assert offsets[-1] % engine.buckets.block and all(o % engine.buckets.align == 0 for o in offsets)
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
@@ -271,11 +274,12 @@ def test_passes_are_the_cheapest_cut_of_the_trees_in_order(sizes, overhead, time
 
 def test_a_few_contents_take_small_passes_not_the_largest():
     """Four 1,200-token contents: two 4,096-row passes, not one of 16,384 (what filling the largest bucket
-    gave); thirteen fill a 16,384-row pass again."""
+    gave); fifteen fill a 16,384-row pass again (it holds fourteen)."""
     buckets = Buckets((4096, 16384))
     contents = [
-        build_tree([BOS], _content(i, 1150), [QuestionKey((9,) * 14, ((40,), (41,)))]) for i in range(13)
+        build_tree([BOS], _content(i, 1150), [QuestionKey((9,) * 14, ((40,), (41,)))]) for i in range(15)
     ]
+    assert buckets.largest // buckets.aligned(len(contents[0])) == 14
     assert [p.size for p in pack(contents[:4], buckets)] == [4096, 4096]
     assert [p.size for p in pack(contents, buckets)] == [4096, 16384]
     with pytest.raises(ValueError, match="does not fit the largest bucket"):

@@ -103,9 +103,11 @@ def _inputs(names: list, t: int, h=4, k=2, d=16, dtype=jnp.float32):
     return tuple(jnp.asarray(x, dtype) for x in (q, kk, v))
 
 
-def _attend(impl, trees, questions, block, total_blocks, window, **inputs):
-    """Lay trees out, run an implementation, and return every tree's rows keyed by their names."""
-    arrays, offsets = lay_out(trees, block, total_blocks)
+def _attend(impl, trees, questions, placement, total_blocks, window, **inputs):
+    """Lay trees out (placement: block, align, gap: tests.trees.lay_out's), run an implementation, and return
+    every tree's rows keyed by their names."""
+    block, align, gap = placement
+    arrays, offsets = lay_out(trees, block, total_blocks, align, gap)
     names = [None] * (total_blocks * block)
     for tree, qs, off in zip(trees, questions, offsets, strict=True):
         names[off : off + len(tree)] = _rows_of(tree, qs)
@@ -118,7 +120,7 @@ def _attend(impl, trees, questions, block, total_blocks, window, **inputs):
 @pytest.mark.parametrize("window", [None, 3])
 def test_blockwise_matches_reference(window):
     trees = [build_tree([2], list(range(30, 30 + n)), BRANCHES[i:]) for i, n in enumerate((4, 9, 1))]
-    _, got, want = _attend(blockwise, trees, [BRANCHES[i:] for i in range(3)], 4, 40, window)
+    _, got, want = _attend(blockwise, trees, [BRANCHES[i:] for i in range(3)], (4, 4, 0), 40, window)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -133,19 +135,18 @@ def _companion_layouts():
             yield [build_tree([2], c, qs) for c, qs in layout], [qs for _, qs in layout]
 
 
-def same_rows_in_every_layout(impl, blocks: tuple[int, ...], rows=160, tol=1e-5, **inputs) -> None:
-    """Every companion layout (_companion_layouts), laid out at each block size in turn in a pass of `rows`:
-    each output within `tol` of the reference, and each named row the same bits wherever and however it was
-    asked. `inputs`: _inputs' sizes and dtype."""
+def same_rows_in_every_layout(impl, placements, rows=160, tol=1e-5, **inputs) -> None:
+    """Every companion layout (_companion_layouts), laid out at each placement in turn (block, align, gap:
+    trees start on `align`-row boundaries `gap` rows or more after the last, in passes of `rows` that are
+    multiples of `block`): each output within `tol` of the reference, and each named row the same bits
+    wherever and however it was asked. `inputs`: _inputs' sizes and dtype."""
     seen: dict = {}
-    for block in blocks:
+    for placement in placements:
         for trees, questions in _companion_layouts():
-            rows_of, got, want = _attend(impl, trees, questions, block, rows // block, window=5, **inputs)
+            rows_of, got, want = _attend(impl, trees, questions, placement, rows // placement[0], 5, **inputs)
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
             for name, row in rows_of.items():
-                np.testing.assert_array_equal(
-                    row, seen.setdefault(name, row), err_msg=f"{name}, block {block}"
-                )
+                np.testing.assert_array_equal(row, seen.setdefault(name, row), err_msg=f"{name}, {placement}")
     assert len(seen) > 50
 
 
@@ -156,14 +157,15 @@ def same_rows_in_every_layout(impl, blocks: tuple[int, ...], rows=160, tol=1e-5,
 )
 def test_rows_bit_identical_whatever_the_companions(impl):
     """A row's output depends on its content and its own question only: not on the other questions of its
-    content, their order, duplicates, where its tree sits, or what is packed before it."""
-    same_rows_in_every_layout(impl, blocks=(8,))
+    content, their order, duplicates, where its tree sits (on a block boundary or not, with another tree's
+    rows in its first query block), or what is packed before it."""
+    same_rows_in_every_layout(impl, placements=((8, 8, 0), (8, 2, 3)))
 
 
 def test_kernel_rows_do_not_depend_on_the_block():
-    """The kernel counts key tiles from each tree's first row, so trees aligned to blocks of one tile (the
-    GPUs' default block, packer.default_block) give every row the bits it gets in blocks of two tiles."""
-    same_rows_in_every_layout(partial(kernel, tile=4, interpret=True), blocks=(8, 4))
+    """The kernel counts key tiles from each tree's first row, so passes in blocks of one tile (the GPUs'
+    default block, packer.default_block) give every row the bits it gets in blocks of two tiles."""
+    same_rows_in_every_layout(partial(kernel, tile=4, interpret=True), placements=((8, 8, 0), (4, 4, 0)))
 
 
 @pytest.mark.parametrize(("block", "tile", "head_dim"), [(16, 16, 32), (32, 16, 32), (64, None, 512)])

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spinf_jax.layout import QuestionKey, Tree
+from spinf_jax.packer import tree_starts
 
 
 def _pool() -> list[QuestionKey]:
@@ -28,13 +29,14 @@ def _pool() -> list[QuestionKey]:
 POOL = _pool()
 
 
-def lay_out(trees: list[Tree], block: int, total_blocks: int):
-    """Trees at block boundaries, as the packer lays them out: the attention arguments, tree offsets."""
+def lay_out(trees: list[Tree], block: int, total_blocks: int, align: int | None = None, gap: int = 0):
+    """Trees at `align`-row boundaries (the block's by default), `gap` more rows apart, as the packer lays
+    them out: the attention arguments, tree offsets."""
+    align = align or block
     t = total_blocks * block
     positions = np.zeros(t, np.int32)
     span_end = np.arange(1, t + 1, dtype=np.int32)
     trunk_end, branch_start = span_end.copy(), span_end.copy()
-    start_block = np.arange(total_blocks, dtype=np.int32)
     offsets, cursor = [], 0
     for tree in trees:
         n = len(tree)
@@ -42,10 +44,9 @@ def lay_out(trees: list[Tree], block: int, total_blocks: int):
         span_end[cursor : cursor + n] = np.asarray(tree.span_end) + cursor
         trunk_end[cursor : cursor + n] = cursor + tree.trunk_tokens
         branch_start[cursor : cursor + n] = np.asarray(tree.branch_start) + cursor
-        first, last = cursor // block, (cursor + n - 1) // block
-        start_block[first : last + 1] = first
         offsets.append(cursor)
-        cursor += -(-n // block) * block
+        cursor += -(-(n + gap) // align) * align
     assert cursor <= t
-    arrays = (positions, span_end, trunk_end, branch_start, start_block)
+    starts = tree_starts(t, [(o, len(tree)) for o, tree in zip(offsets, trees, strict=True)], align, block)
+    arrays = (positions, span_end, trunk_end, branch_start, starts)
     return tuple(map(jnp.asarray, arrays)), offsets

@@ -39,11 +39,10 @@ class TreeBatch:
     (`media`, `media_row`), and those rows also see the rest of their image (`reach`).
 
     Attention reads a row's keys in two parts (pallas_kernels.tree_attention): the trunk of its tree, in key
-    blocks of T // len(tree_start_block) tokens counted from the tree's first block (trees start on block
-    boundaries), then the row's own branch (one question: its template and option trie), in key blocks
-    counted from the branch's first row. Each reduction then sees the same keys at the same offsets however
-    the tree is packed and whatever other questions it holds, which is what makes a (content, question)
-    score the same bits in any pass.
+    blocks counted from the tree's first row (`tree_start`), then the row's own branch (one question: its
+    template and option trie), in key blocks counted from the branch's first row. Each reduction then sees
+    the same keys at the same offsets however the tree is packed and whatever other questions it holds,
+    which is what makes a (content, question) score the same bits in any pass.
     """
 
     tokens: jax.Array  # [T] int32
@@ -51,26 +50,24 @@ class TreeBatch:
     span_end: jax.Array  # [T] int32
     trunk_end: jax.Array  # [T] int32: end of the trunk of the row's tree (i + 1 for padding)
     branch_start: jax.Array  # [T] int32: first row of the row's branch (i + 1 for trunk rows and padding)
-    tree_start_block: jax.Array  # [T // block] int32: first block of the tree each block belongs to
+    tree_start: jax.Array  # [T] int32: first row of the row's tree (packer.tree_starts)
     parent: jax.Array  # [T] int32, -1 where a row has none (or [0])
     chunks: jax.Array  # [N, 4] int32: first row, rows, start, keep (or [0, 4])
     export_rows: jax.Array  # [X] int32: the extraction slots' rows, whose recurrent states decoding reads
+    block: int = field(metadata=dict(static=True))  # T's multiple; the CPU attention's block (default_block)
     # Passes with media only (None in the others, whose programs stay as they were):
     reach: jax.Array | None = None  # [T] int32: a row sees keys j < reach (i + 1; an image's rows: its end)
     media: jax.Array | None = None  # [M, hidden]: soft tokens, the input embeddings of rows `media_row`
     media_row: jax.Array | None = None  # [T] int32: each row's row of `media`, -1 for its token's embedding
 
-    @property
-    def block(self) -> int:
-        return self.tokens.shape[0] // self.tree_start_block.shape[0]
-
     @staticmethod
     def chains(sequences: list[list[int]], block: int = 128) -> tuple["TreeBatch", list[int]]:
         """Plain sequences side by side in one pass, padded to whole blocks; returns each one's first row.
 
-        They are not block-aligned: every block reads keys from block 0 and the mask keeps them apart, which
-        is exact but not batch-invariant (the engine's packer aligns trees instead). Recurrent chunks are laid
-        out for every model (each sequence is a trunk); models without recurrent layers ignore them."""
+        They share one tree start (row 0): every block reads keys from row 0 and the mask keeps them apart,
+        which is exact but not batch-invariant (the engine's packer gives each tree its own start). Recurrent
+        chunks are laid out for every model (each sequence is a trunk); models without recurrent layers
+        ignore them."""
         starts = np.cumsum([0] + [len(s) for s in sequences[:-1]]).tolist()
         n = sum(len(s) for s in sequences)
         total = -(-n // block) * block
@@ -93,7 +90,7 @@ class TreeBatch:
         arrays = (tokens, positions, span_end, trunk_end, np.arange(1, total + 1, dtype=np.int32))
         recurrent = (parent, table, np.zeros(0, np.int32))  # no extraction slots
         batch = TreeBatch(
-            *map(jnp.asarray, arrays), jnp.zeros(total // block, jnp.int32), *map(jnp.asarray, recurrent)
+            *map(jnp.asarray, arrays), jnp.zeros(total, jnp.int32), *map(jnp.asarray, recurrent), block
         )
         return batch, starts
 
@@ -184,7 +181,7 @@ def attention(
                 q, k, v, *b.cache, *b.history, b.positions, *groups,
                 scale=scale, window=window, block=b.block, group_tile=b.group_tile,
             )  # fmt: skip
-        args = (q, k, v, b.positions, b.span_end, b.trunk_end, b.branch_start, b.tree_start_block)
+        args = (q, k, v, b.positions, b.span_end, b.trunk_end, b.branch_start, b.tree_start)
         attend = kernel if jax.default_backend() == "gpu" else blockwise
         reach = b.reach if media_both_ways else None
         return attend(*args, scale=scale, window=window, block=batch.block, reach=reach)

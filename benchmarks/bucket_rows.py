@@ -1,8 +1,9 @@
 """The rows a batch takes in passes, for several bucket sets: what padding each set costs the request shapes
 of http_throughput.py. Counts, not timings: the server's planner lays out the requests (Gemma 3's tokenizer,
-floors cached, 64-row attention blocks as on GPUs) and packer.pack cuts them by rows plus its pass overhead,
-so any machine gives the same table. A second table counts the rows of the trees alone at several tree
-alignments (every tree starts on a block boundary, so a short tree pays up to a block).
+floors cached, trees on 16-row boundaries, 64-row attention blocks as on GPUs) and packer.pack cuts them by
+rows plus its pass overhead, so any machine gives the same table. A second table counts the rows of the trees
+alone at several tree alignments (a tree starts on a multiple of the alignment, so a short tree pays up to
+that many rows).
 
     python3 benchmarks/bucket_rows.py --tokenizer TOKENIZER_FOLDER [--out DIR]
 
@@ -24,7 +25,7 @@ from spinf_jax.packer import Buckets, pack
 from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.scoring import Scorer
 
-# Tree alignments to count: 64 is the GPUs' (packer.default_block), 16 the kernel's smallest key block.
+# Tree alignments to count: 16 is the packer's (Buckets.align); 64 was the GPUs' until 2026-12-06.
 ALIGNMENTS = (16, 32, 64, 128)
 SETS = {
     "4,096 + 16,384 (http runs 1-10)": (4096, 16384),
@@ -68,7 +69,7 @@ def main() -> None:
         seed_request(job)
     )  # the questions' floors, cached: later plans hold the requests' trees only
     results, lines = {}, ["| batch | tokens | " + " | ".join(SETS) + " |", "|---" * (len(SETS) + 2) + "|"]
-    aligned = ["| batch | " + " | ".join(f"{b}-row blocks" for b in ALIGNMENTS) + " |"]
+    aligned = ["| batch | " + " | ".join(f"on {b} rows" for b in ALIGNMENTS) + " |"]
     aligned.append("|---" * (len(ALIGNMENTS) + 1) + "|")
     for name, request in requests(job).items():
         trees = scorer.plan(request).trees
@@ -90,7 +91,12 @@ def main() -> None:
         ]
         lines.append(f"| {name} | {tokens:,} | " + " | ".join(cells) + " |")
     (out / "bucket_rows.json").write_text(json.dumps(results, indent=1) + "\n")
-    lines += ["", "Rows of the trees alone, each tree rounded up to whole attention blocks:", "", *aligned]
+    lines += [
+        "",
+        "Rows of the trees alone, each rounded up to a multiple of the alignment:",
+        "",
+        *aligned,
+    ]
     (out / "bucket_rows.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

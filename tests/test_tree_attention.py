@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels import tree_attention_mosaic
 from pallas_kernels.late_map import late_map
-from pallas_kernels.tree_attention import blockwise, kernel, reference, tree_mask
+from pallas_kernels.tree_attention import BRANCH_BLOCK, blockwise, kernel, reference, tree_mask
 from spinf_jax.layout import QuestionKey, Tree, build_tree
 from tests.trees import lay_out
 
@@ -212,12 +212,14 @@ def test_image_rows_see_their_whole_image():
 
 def test_mosaic_kernel_matches_reference_in_interpret_mode():
     """The Mosaic GPU kernel, run by its interpreter on the CPU, against the pure-JAX definition: a chain,
-    then a tree with branches ending at the pass's end (its last branch blocks are read past it). Its rows'
-    invariance (every companion layout, with a window) is tests/test_gpu.py's, on the GPU: the engine does
-    not run this kernel, and the interpreted copy took 20-27 s of CI's 15 minutes."""
-    chain = build_tree([2], list(range(30, 100)), [])
-    branched = build_tree([2], list(range(50, 87)), BRANCHES)  # 60 rows: the last branch starts at row 186
-    arrays, _ = lay_out([chain, branched], 64, 3)
+    then a tree that starts inside a query tile (on an 8-row boundary) with branches ending near the pass's
+    end (its last branch blocks are read past it). Its rows' invariance (every companion layout, with a
+    window) is tests/test_gpu.py's, on the GPU: the engine does not run this kernel, and the interpreted copy
+    took 20-27 s of CI's 15 minutes."""
+    chain = build_tree([2], list(range(30, 160)), [])  # 131 rows
+    branched = build_tree([2], list(range(50, 80)), BRANCHES)
+    arrays, offsets = lay_out([chain, branched], 64, 3, align=8, gap=5)
+    assert offsets[1] % 64 and offsets[1] + len(branched) > 192 - BRANCH_BLOCK
     q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(192, h=4, k=2, d=64, seed=1))
     expected = reference(q, k, v, *arrays[:2], scale=0.125)
     got = tree_attention_mosaic.kernel(q, k, v, *arrays, scale=0.125, block=64, interpret=True)

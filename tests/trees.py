@@ -45,8 +45,8 @@ def lay_out(trees: list[Tree], block: int, total_blocks: int, align: int | None 
         trunk_end[cursor : cursor + n] = cursor + tree.trunk_tokens
         branch_start[cursor : cursor + n] = np.asarray(tree.branch_start) + cursor
         offsets.append(cursor)
+        assert cursor + n <= t
         cursor += -(-(n + gap) // align) * align
-    assert cursor <= t
     starts = tree_starts(t, [(o, len(tree)) for o, tree in zip(offsets, trees, strict=True)], align, block)
     arrays = (positions, span_end, trunk_end, branch_start, starts)
     return tuple(map(jnp.asarray, arrays)), offsets

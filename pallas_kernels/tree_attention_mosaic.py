@@ -155,7 +155,9 @@ def _kernel(
         return out
 
     def load_trunk(first_key, slot):
-        keys = pl.ds(first_key, TILE)
+        # Tree starts are multiples of 8 (module docstring); the compiler must be told so to copy into the
+        # tiled layout (it cannot see through the plan's values).
+        keys = pl.ds(pl.multiple_of(first_key, 8), TILE)
         plgpu.copy_gmem_to_smem(k_ref.at[keys, kv], k_s.at[slot], bar_k.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[keys, kv], v_s.at[slot], bar_v.at[slot])
         plgpu.copy_gmem_to_smem(rows_ref.at[:, keys], k_rows_s.at[slot], bar_rows.at[slot])

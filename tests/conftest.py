@@ -1,7 +1,5 @@
 import collections
-import json
 import os
-import statistics
 from pathlib import Path
 
 import pytest
@@ -65,18 +63,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _schedule_by_file(items) -> None:
-    """The order in which xdist hands out files (`--dist loadfile --no-loadscope-reorder`): longest first, by
-    the seconds each file took in a clean run (tests/file_seconds.json, written by
-    benchmarks/test_durations.py). A worker takes its next file when two of its tests are left, so the
-    files queued last decide how far apart the two workers end. Ordered by their counts of tests (the one-
-    or two-test files first, then most tests first) the clean run of 2026-12-06 would have ended its workers
-    at 894 and 850 s; longest first, both at 872 (replayed from its report). A file not in the table counts
-    its tests at the median seconds of a test."""
+    """The order in which xdist hands out files (`--dist loadfile --no-loadscope-reorder`). A worker takes
+    its next file when two of its tests are left, so a run ends on the files queued last: xdist's own order
+    (most tests first) queues the one-test files last, and those are the suite's subprocess and fuzz tests
+    (10-70 s each), which left one worker 110 s behind the other (2-core machine, 2026-12-04). Files of one
+    or two tests go first here, then most tests first as before; a file's tests keep their order."""
 
     def file(item) -> str:
         return item.nodeid.split("::")[0]
 
-    seconds = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
     count = collections.Counter(map(file, items))
-    per_test = statistics.median([seconds[f] / count[f] for f in seconds if count[f]] or [0])
-    items.sort(key=lambda item: (-seconds.get(file(item), count[file(item)] * per_test), file(item)))
+    items.sort(key=lambda item: (count[file(item)] > 2, -count[file(item)], file(item)))

@@ -105,9 +105,10 @@ def trunk_lists(
     first = (rows % tile == 0) | (tree_start != previous)
     # Each row's entry: the running count of first rows in its tile; the entry's last key is the most
     # any of its rows reaches.
-    entry = (rows // tile) * tile + jnp.cumsum(first.reshape(-1, tile), axis=1).reshape(-1) - 1
+    running = jnp.cumsum(first.reshape(-1, tile), axis=1)  # [n, tile]
+    entry = (rows // tile) * tile + running.reshape(-1) - 1
     reached = jax.ops.segment_max(jnp.minimum(trunk_end, _reach(reach, t)) - 1, entry, num_segments=t)
-    counts = jnp.sum(first.reshape(-1, tile), axis=1)
+    counts = running[:, -1]
     last = jnp.where(jnp.arange(tile)[None, :] < counts[:, None], reached.reshape(-1, tile), 0)
     return _listed(first, tree_start, tile), last, counts
 

@@ -30,11 +30,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.tree_attention import BRANCH_BLOCK, branch_lists, trunk_lists
 
 TILE = 64  # query rows per program and keys per trunk step: wgmma's M
-# The tile's plan, one int32 row per tile: how many trees and how many branches have rows in it, six zeros (a
-# copy moves whole 16-byte units), then TILE entries each of the trees' first rows, the last trunk keys their
-# rows in the tile reach, the branches' first rows, and their last rows in the tile.
-PLAN_HEAD = 8
-TREE_FIRST, TREE_LAST, BRANCH_FIRST, BRANCH_LAST = (PLAN_HEAD + i * TILE for i in range(4))
+# The tile's plan, [5, TILE] int32 per tile: a head row (how many trees and how many branches have rows in
+# the tile, then zeros), then rows of TILE entries each: the trees' first rows, the last trunk keys their rows
+# in the tile reach, the branches' first rows, and their last rows in the tile. (Rows, not one long row: a
+# copy moves at most 256 elements along a dimension.)
+HEAD, TREE_FIRST, TREE_LAST, BRANCH_FIRST, BRANCH_LAST = range(5)
 # The rows' tree fields, copied per key block beside the keys: [5, T] for tiles, [T, 4] (the first four) for
 # branch blocks.
 POS, END, TRUNK_END, BRANCH, TREE = range(5)
@@ -48,13 +48,11 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # a value per key
 
 
 def plan(tree_start: jax.Array, trunk_end: jax.Array, branch_start: jax.Array) -> jax.Array:
-    """[T // TILE, PLAN_HEAD + 4 * TILE] int32: what each query tile reads (see PLAN_HEAD)."""
-    n = trunk_end.shape[0] // TILE
+    """[T // TILE, 5, TILE] int32: what each query tile reads (see HEAD)."""
     trees, tree_last, tree_count = trunk_lists(tree_start, trunk_end, TILE)
     branches, branch_last, branch_count = branch_lists(branch_start, TILE)
-    head = jnp.stack([tree_count, branch_count], axis=1)
-    pad = jnp.zeros((n, PLAN_HEAD - 2), jnp.int32)
-    return jnp.concatenate([head, pad, trees, tree_last, branches, branch_last], axis=1)
+    head = jnp.zeros_like(trees).at[:, 0].set(tree_count).at[:, 1].set(branch_count)
+    return jnp.stack([head, trees, tree_last, branches, branch_last], axis=1)
 
 
 def _online_softmax_step(state, s, values, p_s):
@@ -81,7 +79,7 @@ def _online_softmax_step(state, s, values, p_s):
 
 
 def _kernel(
-    plan_ref,  # [n, PLAN_HEAD + 4 * TILE]
+    plan_ref,  # [n, 5, TILE]
     rows_ref,  # [5, T]: positions, span_end, trunk_end, branch_start, tree_start
     fields_ref,  # [T, 4]: the same, a row's four together (for branch blocks, which start at any row)
     q_ref,  # [T, H, D]
@@ -162,20 +160,22 @@ def _kernel(
         plgpu.copy_gmem_to_smem(v_ref.at[keys, kv], v_s.at[slot], bar_v.at[slot])
         plgpu.copy_gmem_to_smem(rows_ref.at[:, keys], k_rows_s.at[slot], bar_rows.at[slot])
 
-    trees = plan_s[0]
+    trees = plan_s[HEAD, 0]
 
     def tiles_of(e):  # the trunk tiles tree e reads for this query tile
-        return (plan_s[TREE_LAST + e] - plan_s[TREE_FIRST + e]) // TILE + 1
+        return (plan_s[TREE_LAST, e] - plan_s[TREE_FIRST, e]) // TILE + 1
 
     def tree(e, carry):
         def trunk_step(r, carry):
             state, n = carry  # n: trunk tiles read so far, which picks the slot
-            first_key = plan_s[TREE_FIRST + e] + r * TILE
+            first_key = plan_s[TREE_FIRST, e] + r * TILE
             slot = lax.rem(n, jnp.array(slots, n.dtype))
             following = lax.rem(n + 1, jnp.array(slots, n.dtype))
             # The next tile: this tree's next, or the next tree's first.
             same_tree = r + 1 < tiles_of(e)
-            next_key = jnp.where(same_tree, first_key + TILE, plan_s[TREE_FIRST + e + 1])
+            # The next tree's first row (read within the row; used only where there is one).
+            following_tree = plan_s[TREE_FIRST, jnp.minimum(e + 1, TILE - 1)]
+            next_key = jnp.where(same_tree, first_key + TILE, following_tree)
             more = same_tree | (e + 1 < trees)
             if slots > 1:  # the next tile's copy runs under this tile's arithmetic
 
@@ -186,7 +186,7 @@ def _kernel(
             plgpu.barrier_wait(bar_k.at[slot])
             plgpu.barrier_wait(bar_rows.at[slot])
             trunk_end = q_field(TRUNK_END, (TILE, TILE))
-            own_rows = q_field(TREE, (TILE, TILE)) == plan_s[TREE_FIRST + e]  # padding may share keys
+            own_rows = q_field(TREE, (TILE, TILE)) == plan_s[TREE_FIRST, e]  # padding may share keys
             s = masked_scores(
                 k_s.at[slot],
                 tile_field(k_rows_s.at[slot]),
@@ -208,7 +208,7 @@ def _kernel(
     d = q_s.shape[-1]
 
     def branch(j, state):
-        first = plan_s[BRANCH_FIRST + j]
+        first = plan_s[BRANCH_FIRST, j]
         own_rows = q_field(BRANCH, (TILE, BRANCH_BLOCK)) == first
 
         def step(r, state):
@@ -225,7 +225,7 @@ def _kernel(
             s = masked_scores(bk_s, block_field, first + r * BRANCH_BLOCK, lambda k_idx: own_rows)
             return _online_softmax_step(state, s, bv_s, bp_s)
 
-        return lax.fori_loop(0, (plan_s[BRANCH_LAST + j] - first) // BRANCH_BLOCK + 1, step, state)
+        return lax.fori_loop(0, (plan_s[BRANCH_LAST, j] - first) // BRANCH_BLOCK + 1, step, state)
 
     state = (
         plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), ROW),
@@ -235,10 +235,10 @@ def _kernel(
 
     @pl.when(trees > 0)
     def _():
-        load_trunk(plan_s[TREE_FIRST], 0)
+        load_trunk(plan_s[TREE_FIRST, 0], 0)
 
     state, _ = lax.fori_loop(0, trees, tree, (state, jnp.int32(0)))
-    _, denom, acc = lax.fori_loop(0, plan_s[1], branch, state)
+    _, denom, acc = lax.fori_loop(0, plan_s[HEAD, 1], branch, state)
     denom = jnp.where(denom == 0, 1.0, denom)
     q_s[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(q_s.dtype)
     plgpu.commit_smem()

@@ -19,7 +19,6 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 # We use transformers only for its GGUF tokenizer converters; its import-time notice that PyTorch is missing
 # is noise for us (torch is deliberately not installed). A user's own TRANSFORMERS_VERBOSITY still wins.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS, GGUF_TOKENIZER_MAPPING
 
 # llama.cpp token types
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
@@ -114,6 +113,10 @@ class Tokenizer:
         if gguf_file.field("tokenizer.ggml.model") in ("llama", "gemma4"):
             backend = _sentencepiece_bpe(gguf_file)
         else:  # byte-level BPE with merges in the file (gpt2-style): transformers' converter reads it
+            # Imported here: it takes most of a second, and Gemma's GGUF files (the default model's) and every
+            # tokenizer.json need none of it.
+            from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS, GGUF_TOKENIZER_MAPPING
+
             fields = {}
             for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items():
                 value = gguf_file.field("tokenizer." + key)

@@ -14,8 +14,9 @@ keys; a key block that runs past the pass's end is filled with zeros by the copy
 bf16 and f16 only: wgmma has no f32 (its TF32 would not be f32 attention), which stays on the Triton kernel.
 
 Measured on the H200 (benchmarks/gpu_attention.py, the seed job's 16,384-row pass at Gemma 3 12B's attention
-shape): 63.2 ms a pass against the Triton kernel's 59.8 (one trunk tile in flight; two took 78.2), so the
-engine keeps the Triton kernel. The branch blocks are the costly part: each is copied, moved through
+shape): 63.2 ms a pass against the Triton kernel's 59.8 (one trunk tile in flight; two took 78.2); on an
+H100, with trees on 16-row boundaries, 51.5 ms against 50.1 (two in flight: 64.1). The engine keeps the
+Triton kernel. The branch blocks are the costly part: each is copied, moved through
 registers into wgmma's layout and multiplied before the next is asked for.
 """
 

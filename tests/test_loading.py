@@ -186,6 +186,25 @@ def test_our_gguf_reader_matches_the_gguf_package():
         np.testing.assert_array_equal(data.ravel(), t.data.ravel(), err_msg=t.name)
 
 
+def test_our_q8_0_dequantization_matches_the_gguf_package():
+    """checkpoint._q8_0 (the default model's embedding table) against gguf's: real rows, and random bytes,
+    whose scales include infinities, NaNs and subnormals, over more than one 4,096-block chunk."""
+    import gguf
+
+    from spinf_jax.checkpoint import _q8_0, _read_gguf
+    from spinf_jax.loader import resolve
+
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    _, tensors = _read_gguf(resolve("spinf/gemma-3-270m"))
+    qtype, _, table = tensors["token_embd.weight"]
+    random = np.random.default_rng(0).integers(0, 256, (300, 34 * 20), dtype=np.uint8)  # 6,000 blocks
+    assert qtype == q8_0
+    for data in (table[:500], random):
+        with np.errstate(invalid="ignore"):  # random scales: infinity × 0
+            ours, theirs = _q8_0(data), gguf.quants.dequantize(data, q8_0)
+        np.testing.assert_array_equal(ours.ravel(), theirs.ravel())
+
+
 # GGUF files written by llama.cpp's own converter from a checkpoint (fixtures/gguf/README.md), and that
 # checkpoint. llama.cpp's qwen3moe has no dense layers, so its file is of an all-experts variant of the tiny
 # qwen3_moe.

@@ -20,7 +20,8 @@ ancestors sit in other columns (beam search reorders hypotheses), so `path[g, w,
 row w reads at step s; reading through it costs a gather instead of reordering the whole history each step.
 
 `reference` is the dense definition; `blockwise` computes it in plain JAX (the CPU path), `kernel` in Pallas
-(GPUs); tests compare both with it.
+(GPUs, Triton backend); tests compare both with it. decode_attention_mosaic has the kernel on the Mosaic GPU
+backend, measured slower (its docstring).
 """
 
 from functools import partial
@@ -201,6 +202,34 @@ def blockwise(
     return out.reshape(r, h, d).astype(q.dtype)
 
 
+def group_rows(x: jax.Array, *, width: int, kv: int, groups: int, rows: int) -> jax.Array:
+    """[R, heads, D] → [G, K, rows, D], the kernels' rows: per group and kv head its (hypothesis, query head)
+    pairs, then zero rows up to `rows`. Keys and values (a head per kv head) repeat over the query heads."""
+    d = x.shape[-1]
+    x = x.reshape(-1, width, kv, x.shape[1] // kv, d)
+    g = x.shape[0]
+    x = jnp.broadcast_to(x, (g, width, kv, groups, d)).transpose(0, 2, 1, 3, 4)
+    x = x.reshape(g, kv, width * groups, d)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, rows - width * groups), (0, 0)))
+
+
+def ungroup_rows(out: jax.Array, *, width: int, heads: int) -> jax.Array:
+    """group_rows' inverse for the query heads: [G, K, rows, D] → [R, heads, D]."""
+    g, kv, _, d = out.shape
+    out = out[:, :, : width * heads // kv].reshape(g, kv, width, heads // kv, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(g * width, heads, d)
+
+
+def path_seen(path: jax.Array, step: jax.Array, groups: int, rows: int) -> jax.Array:
+    """[G, rows, S * W] bool: whether row (hypothesis, query head)'s path holds history row j at step s
+    (column s * W + j) before this step; padding rows hold none."""
+    g, w, s_max = path.shape
+    cols = jnp.arange(s_max, dtype=jnp.int32)
+    seen = (path[..., None] == jnp.arange(w, dtype=jnp.int32)) & (cols < step)[None, None, :, None]
+    seen = jnp.repeat(seen.reshape(g, w, s_max * w), groups, axis=1)
+    return jnp.pad(seen, ((0, 0), (0, rows - w * groups), (0, 0)))
+
+
 def _kernel(
     start_ref,  # [G] the group's tree start, trunk end, template start and end (rows of the pass)
     trunk_end_ref,
@@ -328,20 +357,10 @@ def kernel(
     r, h, d = q.shape
     g, s_max, w, kv = hist_k.shape[:4]
     groups = h // kv
-    rows = w * groups
-    m = max(16, 1 << (rows - 1).bit_length())
+    m = max(16, 1 << (w * groups - 1).bit_length())
     tile = tile or (64 if d * q.dtype.itemsize <= 512 else 32)
-
-    def by_group(x):  # [R, heads, D] → [G, K, M, D]: rows (hypothesis, query head), then padding
-        x = x.reshape(g, w, kv, -1, d)
-        x = jnp.broadcast_to(x, (g, w, kv, groups, d)).transpose(0, 2, 1, 3, 4).reshape(g, kv, rows, d)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, m - rows), (0, 0)))
-
-    # seen[g, row, s * W + j]: the row's path holds history row j at step s (< step).
-    cols = jnp.arange(s_max, dtype=jnp.int32)
-    seen = (path[..., None] == jnp.arange(w, dtype=jnp.int32)) & (cols < step)[None, None, :, None]
-    seen = jnp.repeat(seen.reshape(g, w, s_max * w), groups, axis=1).astype(jnp.int32)
-    seen = jnp.pad(seen, ((0, 0), (0, m - rows), (0, 0)))
+    by_group = partial(group_rows, width=w, kv=kv, groups=groups, rows=m)
+    seen = path_seen(path, step, groups, m).astype(jnp.int32)
     hist_k = hist_k.reshape(g, s_max * w, kv, d)
     hist_v = hist_v.reshape(g, s_max * w, kv, d)
     per_group = pl.BlockSpec((g,), lambda i, j: (0,))
@@ -382,5 +401,4 @@ def kernel(
         hist_k,
         hist_v,
     )
-    out = out[:, :, :rows].reshape(g, kv, w, groups, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(r, h, d)
+    return ungroup_rows(out, width=w, heads=h)

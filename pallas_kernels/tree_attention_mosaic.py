@@ -79,6 +79,25 @@ def _online_softmax_step(state, s, values, p_s):
     return m_new, denom, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
 
 
+def copy_block(keys, values, staged_s, bk_s, bv_s, bars):
+    """A BRANCH_BLOCK-key block that starts at any row ([BRANCH_BLOCK, D] slices of gmem) into wgmma's tiled
+    layouts bk_s and bv_s, through staged_s [2, BRANCH_BLOCK, D] untiled (see BRANCH_SWIZZLE); bars 0 and 1
+    are the copies'."""
+    plgpu.copy_gmem_to_smem(keys, staged_s.at[0], bars.at[0])
+    plgpu.copy_gmem_to_smem(values, staged_s.at[1], bars.at[1])
+    for b, (dst, swizzle) in enumerate(((bk_s, 128), (bv_s, BRANCH_SWIZZLE))):
+        plgpu.barrier_wait(bars.at[b])
+        layout = plgpu.Layout.SMEM_GMEM_COPY(staged_s.shape[1:], dst.dtype, swizzle)
+        dst[...] = plgpu.load(staged_s.at[b], layout=layout, optimized=False)
+    plgpu.commit_smem()  # the tensor cores read what the threads wrote
+
+
+def operand(dtype, *shape, swizzle=128):
+    """Shared memory that wgmma reads: tiled in 8-row units and swizzled."""
+    tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize))
+    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
+
+
 def _kernel(
     plan_ref,  # [n, 5, TILE]
     rows_ref,  # [5, T]: positions, span_end, trunk_end, branch_start, tree_start
@@ -206,28 +225,21 @@ def _kernel(
 
         return lax.fori_loop(0, tiles_of(e), trunk_step, carry)
 
-    d = q_s.shape[-1]
-
     def branch(j, state):
         first = plan_s[BRANCH_FIRST, j]
         own_rows = q_field(BRANCH, (TILE, BRANCH_BLOCK)) == first
 
         def step(r, state):
             keys = pl.ds(first + r * BRANCH_BLOCK, BRANCH_BLOCK)
-            plgpu.copy_gmem_to_smem(k_ref.at[keys, kv], staged_s.at[0], bar_b.at[0])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys, kv], staged_s.at[1], bar_b.at[1])
             plgpu.copy_gmem_to_smem(fields_ref.at[keys], b_rows_s, bar_b.at[2])
-            for b, (dst, swizzle) in enumerate(((bk_s, 128), (bv_s, BRANCH_SWIZZLE))):
-                plgpu.barrier_wait(bar_b.at[b])
-                layout = plgpu.Layout.SMEM_GMEM_COPY((BRANCH_BLOCK, d), dst.dtype, swizzle)
-                dst[...] = plgpu.load(staged_s.at[b], layout=layout, optimized=False)
-            plgpu.commit_smem()  # the tensor cores read what the threads wrote
+            copy_block(k_ref.at[keys, kv], v_ref.at[keys, kv], staged_s, bk_s, bv_s, bar_b)
             plgpu.barrier_wait(bar_b.at[2])
             s = masked_scores(bk_s, block_field, first + r * BRANCH_BLOCK, lambda k_idx: own_rows)
             return _online_softmax_step(state, s, bv_s, bp_s)
 
         return lax.fori_loop(0, (plan_s[BRANCH_LAST, j] - first) // BRANCH_BLOCK + 1, step, state)
 
+    d = q_s.shape[-1]
     state = (
         plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), ROW),
         plgpu.layout_cast(jnp.full((TILE,), 0.0, jnp.float32), ROW),
@@ -248,10 +260,12 @@ def _kernel(
 
 
 def supports(dtype, head_dim: int) -> bool:
-    """Shapes this kernel runs: 16-bit floats, head_dim a multiple of 64 up to 256 (the f32 accumulator of a
-    64-row tile at head_dim 512 would not fit one warpgroup's registers)."""
+    """Shapes this kernel runs: 16-bit floats, head_dim 128 or 256. copy_block's register layout needs a
+    multiple of four 8 × 64 tiles in a [BRANCH_BLOCK, D] block (64 and 192 fail to compile: "Number of tiles
+    is not a multiple of 4"), and the f32 accumulator of a 64-row tile at head_dim 512 would not fit one
+    warpgroup's registers."""
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return sixteen_bit and head_dim in (64, 128, 192, 256)
+    return sixteen_bit and head_dim in (128, 256)
 
 
 @partial(jax.jit, static_argnames=("scale", "window", "block", "slots", "interpret"))
@@ -280,10 +294,6 @@ def kernel(
     tiles = plan(tree_start, trunk_end, branch_start)
     rows = jnp.stack([positions, span_end, trunk_end, branch_start, tree_start]).astype(jnp.int32)
 
-    def operand(*shape, swizzle=128):
-        tiling = plgpu.TilingTransform((8, swizzle // q.dtype.itemsize))
-        return plgpu.SMEM(shape, q.dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
-
     return plgpu.kernel(
         partial(_kernel, groups=h // k.shape[1], slots=slots, scale=scale, window=window),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -292,14 +302,14 @@ def kernel(
         scratch_types=[
             plgpu.SMEM(tiles.shape[1:], jnp.int32),
             plgpu.SMEM((5, TILE), jnp.int32),
-            operand(TILE, d),
-            operand(slots, TILE, d),
-            operand(slots, TILE, d),
+            operand(q.dtype, TILE, d),
+            operand(q.dtype, slots, TILE, d),
+            operand(q.dtype, slots, TILE, d),
             plgpu.SMEM((slots, 5, TILE), jnp.int32),
-            operand(BRANCH_BLOCK, d),
-            operand(BRANCH_BLOCK, d, swizzle=BRANCH_SWIZZLE),
-            operand(TILE, TILE),
-            operand(TILE, BRANCH_BLOCK, swizzle=BRANCH_SWIZZLE),
+            operand(q.dtype, BRANCH_BLOCK, d),
+            operand(q.dtype, BRANCH_BLOCK, d, swizzle=BRANCH_SWIZZLE),
+            operand(q.dtype, TILE, TILE),
+            operand(q.dtype, TILE, BRANCH_BLOCK, swizzle=BRANCH_SWIZZLE),
             plgpu.SMEM((2, BRANCH_BLOCK, d), q.dtype),
             plgpu.SMEM((BRANCH_BLOCK, 4), jnp.int32),
             plgpu.Barrier(num_barriers=3),

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import decode_attention_mosaic
 from pallas_kernels.decode_attention import blockwise, kernel, reference
 
 T, S, HEADS, KV = 128, 6, 4, 2
@@ -42,10 +43,12 @@ def _step(places, width, step, d=16, seed=0, dtype=jnp.float32):
     )
 
 
+ON_GPU = jax.default_backend() == "gpu"
 IMPLS = {
     "blockwise": partial(blockwise, block=32, group_tile=2),
-    "kernel": partial(kernel, block=32, tile=16, interpret=jax.default_backend() != "gpu"),
+    "kernel": partial(kernel, block=32, tile=16, interpret=not ON_GPU),
 }
+MOSAIC = partial(decode_attention_mosaic.kernel, block=32, interpret=not ON_GPU)
 
 
 @pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
@@ -70,12 +73,34 @@ def test_bf16_at_a_real_head_dim(impl):
                                    atol=0.02)  # fmt: skip
 
 
-@pytest.mark.parametrize("impl", IMPLS.values(), ids=IMPLS.keys())
+@pytest.mark.parametrize(("width", "step", "window"), [(4, 5, 30), (1, 5, None)])
+def test_mosaic_kernel_matches_the_dense_definition(width, step, window):
+    """The Mosaic GPU kernel (bf16, head_dim 128 or 256) at 128, interpreted on the CPU (1.5 s a call), or at
+    Gemma 3's 256 on a GPU: templates that start off 8-row boundaries, a path over two blocks whose last runs
+    past the history's 24 columns (padded to whole blocks), and a window that hides part of the trunk and
+    path."""
+    d = 256 if ON_GPU else 128
+    args = _step(PLACES, width, step, d=d, seed=3, dtype=jnp.bfloat16)
+    want = np.asarray(reference(*args, scale=d**-0.5, window=window), np.float32)
+    if window is not None:
+        assert not np.allclose(want, np.asarray(reference(*args, scale=d**-0.5, window=None), np.float32))
+    got = np.asarray(MOSAIC(*args, scale=d**-0.5, window=window), np.float32)
+    live = 3 * width
+    np.testing.assert_allclose(got[:live], want[:live], atol=0.02)
+
+
+# The Mosaic kernel's invariance runs on GPUs only (1.5 s a call interpreted), with one and two trunk tiles
+# in flight.
+MOSAIC_SLOTS = {"mosaic-1-slot": MOSAIC, "mosaic-2-slots": partial(MOSAIC, slots=2)}
+GROUP_IMPLS = IMPLS | (MOSAIC_SLOTS if ON_GPU else {})
+
+
+@pytest.mark.parametrize("impl", GROUP_IMPLS.values(), ids=GROUP_IMPLS.keys())
 def test_a_group_keeps_its_bits_whatever_the_other_groups(impl):
     """Slot 1's rows alone, after other slots, and beside a padding group: the same bits (the history and
     path move with the slot, its place in the pass stays)."""
     width, step = 4, 4
-    full = _step(PLACES, width, step, dtype=jnp.bfloat16)
+    full = _step(PLACES, width, step, d=128, dtype=jnp.bfloat16)
     out = impl(*full, scale=0.3, window=None)[width : 2 * width]
 
     def only(groups):  # the step's per-group arrays restricted to these groups, in this order

@@ -220,7 +220,7 @@ def test_mosaic_kernel_matches_reference_in_interpret_mode():
     branched = build_tree([2], list(range(50, 80)), BRANCHES)
     arrays, offsets = lay_out([chain, branched], 64, 3, align=8, gap=5)
     assert offsets[1] % 64 and offsets[1] + len(branched) > 192 - BRANCH_BLOCK
-    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(192, h=4, k=2, d=64, seed=1))
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(192, h=4, k=2, d=128, seed=1))
     expected = reference(q, k, v, *arrays[:2], scale=0.125)
     got = tree_attention_mosaic.kernel(q, k, v, *arrays, scale=0.125, block=64, interpret=True)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), atol=2e-2)

@@ -92,8 +92,13 @@ def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
         return y.astype(out_dtype)
     if w.values.dtype == jnp.float8_e4m3fn:
         xq, x_scale = _quantize_rows_fp8(x)
-        y = jax.lax.dot_general(xq, w.values, contract, preferred_element_type=jnp.float32)
-        return (y * x_scale * w.scale).astype(out_dtype)
+        # The GEMM writes the output's dtype where that is 16-bit (f32 for f32 outputs: the logits): half
+        # the bytes of an f32 result for the scaling that follows to read. On an H100 the seed job ran 7.5%
+        # faster than with f32 written (benchmarks/results, fp8 GEMM output, 2026-12-06).
+        y = jax.lax.dot_general(
+            xq, w.values, contract, preferred_element_type=jnp.promote_types(out_dtype, jnp.bfloat16)
+        )
+        return (y.astype(jnp.float32) * x_scale * w.scale).astype(out_dtype)
     y = jax.lax.dot_general(x, w.values.astype(x.dtype), contract, preferred_element_type=jnp.float32)
     return (y * w.scale).astype(out_dtype)
 

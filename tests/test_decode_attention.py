@@ -45,7 +45,7 @@ def _step(places, width, step, d=16, seed=0, dtype=jnp.float32):
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPLS = {
-    "blockwise": partial(blockwise, block=32, group_tile=2),
+    "blockwise": jax.jit(partial(blockwise, block=32, group_tile=2), static_argnames=("scale", "window")),
     "kernel": partial(kernel, block=32, tile=16, interpret=not ON_GPU),
 }
 MOSAIC = partial(decode_attention_mosaic.kernel, block=32, interpret=not ON_GPU)

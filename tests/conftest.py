@@ -67,15 +67,10 @@ def _schedule_by_file(items) -> None:
     its next file when two of its tests are left, so a run ends on the files queued last: xdist's own order
     (most tests first) queues the one-test files last, and those are the suite's subprocess and fuzz tests
     (10-70 s each), which left one worker 110 s behind the other (2-core machine, 2026-12-04). Files of one
-    or two tests go first here, and files with a slow-tier test (a model load, a subprocess): test_ray's
-    three tests, one of them 40 s, ran last and left one worker 43 s behind (2026-12-06; replayed on that
-    run's times, this order leaves 2 s). Then most tests first; a file's tests keep their order."""
+    or two tests go first here, then most tests first as before; a file's tests keep their order."""
 
     def file(item) -> str:
         return item.nodeid.split("::")[0]
 
     count = collections.Counter(map(file, items))
-    slow = {file(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(
-        key=lambda item: (count[file(item)] > 2 and file(item) not in slow, -count[file(item)], file(item))
-    )
+    items.sort(key=lambda item: (count[file(item)] > 2, -count[file(item)], file(item)))

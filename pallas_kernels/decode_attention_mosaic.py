@@ -38,6 +38,7 @@ from pallas_kernels.tree_attention_mosaic import (
     TILE,
     _online_softmax_step,
     copy_block,
+    initial_state,
     operand,
 )
 
@@ -153,12 +154,7 @@ def _kernel(
             seen = jnp.where(column == c, row, seen)
         return _online_softmax_step(state, jnp.where(seen != 0, s, -jnp.inf), bv_s, bp_s)
 
-    d = q_s.shape[-1]
-    state = (
-        plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), ROW),
-        plgpu.layout_cast(jnp.full((TILE,), 0.0, jnp.float32), ROW),
-        plgpu.layout_cast(jnp.full((TILE, d), 0.0, jnp.float32), plgpu.Layout.WGMMA),
-    )
+    state = initial_state(q_s.shape[-1])
 
     @pl.when(tiles > 0)
     def _():

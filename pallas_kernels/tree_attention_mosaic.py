@@ -56,6 +56,16 @@ def plan(tree_start: jax.Array, trunk_end: jax.Array, branch_start: jax.Array) -
     return jnp.stack([head, trees, tree_last, branches, branch_last], axis=1)
 
 
+def initial_state(d: int):
+    """The online softmax's state before any key, in wgmma's layouts: running max [TILE] (-inf), denominator
+    [TILE] and accumulator [TILE, d] (zeros)."""
+    return (
+        plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), ROW),
+        plgpu.layout_cast(jnp.full((TILE,), 0.0, jnp.float32), ROW),
+        plgpu.layout_cast(jnp.full((TILE, d), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+    )
+
+
 def _online_softmax_step(state, s, values, p_s):
     """tree_attention's online-softmax step in wgmma's layouts: s [TILE, keys] f32 masked scores, values a
     [keys, D] shared-memory ref, p_s [TILE, keys] shared memory for P; P·V on the tensor cores. A row whose
@@ -239,12 +249,7 @@ def _kernel(
 
         return lax.fori_loop(0, (plan_s[BRANCH_LAST, j] - first) // BRANCH_BLOCK + 1, step, state)
 
-    d = q_s.shape[-1]
-    state = (
-        plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), ROW),
-        plgpu.layout_cast(jnp.full((TILE,), 0.0, jnp.float32), ROW),
-        plgpu.layout_cast(jnp.full((TILE, d), 0.0, jnp.float32), plgpu.Layout.WGMMA),
-    )
+    state = initial_state(q_s.shape[-1])
 
     @pl.when(trees > 0)
     def _():

@@ -354,7 +354,7 @@ def kernel(
     tree_attention.kernel). The reduction runs in the order `blockwise` does, in other blocks: the two agree
     to rounding, and each is invariant on its own. `block` and `group_tile` are blockwise's (unused here)."""
     del block, group_tile
-    r, h, d = q.shape
+    _, h, d = q.shape
     g, s_max, w, kv = hist_k.shape[:4]
     groups = h // kv
     m = max(16, 1 << (w * groups - 1).bit_length())

@@ -36,9 +36,9 @@ from pallas_kernels.tree_attention_mosaic import (
     BRANCH_SWIZZLE,
     ROW,
     TILE,
-    _online_softmax_step,
     copy_block,
     initial_state,
+    online_softmax_step,
     operand,
 )
 
@@ -120,7 +120,7 @@ def _kernel(
         if window is not None:
             ok &= pos - (idx - start) < window
         plgpu.barrier_wait(bar_v.at[slot])
-        state = _online_softmax_step(state, jnp.where(ok, s, -jnp.inf), v_s.at[slot], p_s)
+        state = online_softmax_step(state, jnp.where(ok, s, -jnp.inf), v_s.at[slot], p_s)
         if slots == 1:  # the slot is free again only now
 
             @pl.when(b + 1 < tiles)
@@ -138,7 +138,7 @@ def _kernel(
         ok = idx < slot_end
         if window is not None:
             ok &= pos - (trunk_len + idx - branch) < window
-        return _online_softmax_step(state, jnp.where(ok, s, -jnp.inf), bv_s, bp_s)
+        return online_softmax_step(state, jnp.where(ok, s, -jnp.inf), bv_s, bp_s)
 
     def path_step(b, state):
         columns = pl.ds(b * BRANCH_BLOCK, BRANCH_BLOCK)
@@ -152,7 +152,7 @@ def _kernel(
         for c in range(BRANCH_BLOCK):
             row = lax.broadcast_in_dim(plgpu.load(seen_s.at[c], layout=ROW), s.shape, [0])
             seen = jnp.where(column == c, row, seen)
-        return _online_softmax_step(state, jnp.where(seen != 0, s, -jnp.inf), bv_s, bp_s)
+        return online_softmax_step(state, jnp.where(seen != 0, s, -jnp.inf), bv_s, bp_s)
 
     state = initial_state(q_s.shape[-1])
 
@@ -172,7 +172,7 @@ def _kernel(
     s = scores(k_s.at[0])
     own = iota(s.shape, 0) == iota(s.shape, 1)
     plgpu.barrier_wait(bar_v.at[0])
-    _, denom, acc = _online_softmax_step(state, jnp.where(own, s, -jnp.inf), v_s.at[0], p_s)
+    _, denom, acc = online_softmax_step(state, jnp.where(own, s, -jnp.inf), v_s.at[0], p_s)
     q_s[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(q_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, o_ref.at[g, kv])

@@ -66,7 +66,7 @@ def initial_state(d: int):
     )
 
 
-def _online_softmax_step(state, s, values, p_s):
+def online_softmax_step(state, s, values, p_s):
     """tree_attention's online-softmax step in wgmma's layouts: s [TILE, keys] f32 masked scores, values a
     [keys, D] shared-memory ref, p_s [TILE, keys] shared memory for P; P·V on the tensor cores. A row whose
     scores are all -inf keeps its state exactly (alpha = 1, adds 0)."""
@@ -224,7 +224,7 @@ def _kernel(
                 lambda k_idx: own_rows & (k_idx < trunk_end),
             )
             plgpu.barrier_wait(bar_v.at[slot])
-            state = _online_softmax_step(state, s, v_s.at[slot], p_s)
+            state = online_softmax_step(state, s, v_s.at[slot], p_s)
             if slots == 1:  # the slot is free again only now
 
                 @pl.when(more)
@@ -245,7 +245,7 @@ def _kernel(
             copy_block(k_ref.at[keys, kv], v_ref.at[keys, kv], staged_s, bk_s, bv_s, bar_b)
             plgpu.barrier_wait(bar_b.at[2])
             s = masked_scores(bk_s, block_field, first + r * BRANCH_BLOCK, lambda k_idx: own_rows)
-            return _online_softmax_step(state, s, bv_s, bp_s)
+            return online_softmax_step(state, s, bv_s, bp_s)
 
         return lax.fori_loop(0, (plan_s[BRANCH_LAST, j] - first) // BRANCH_BLOCK + 1, step, state)
 

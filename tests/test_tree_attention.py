@@ -232,3 +232,21 @@ def test_late_map_is_lax_map():
     got, want = jax.tree.leaves(late_map(fn, xs)), jax.tree.leaves(jax.lax.map(fn, xs))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def test_late_maps_write_their_own_buffers():
+    """Two loops a layer, over the layers of a scan, the first with two outputs of one shape: each loop
+    writes into buffers of its own. (With zeros for every loop's buffers XLA merged them into one constant
+    and copied it into each loop: the copies were 4.5% of a pass's kernel time at the 12B shape.)"""
+
+    def layers(x, ws):
+        def layer(x, w):  # x [tiles, rows, 32], w [32, 48]
+            q, k = late_map(lambda t: ((t[0] @ w).astype(x.dtype), (-t[0] @ w).astype(x.dtype)), (x,))
+            return late_map(lambda t: (t[0] + (t[1] * t[2]) @ w.T).astype(x.dtype), (x, q, k)), None
+
+        return jax.lax.scan(layer, x, ws)[0]
+
+    x, ws = jnp.ones((4, 64, 32), jnp.bfloat16), jnp.ones((3, 32, 48), jnp.bfloat16)
+    hlo = jax.jit(layers).lower(x, ws).compile().as_text()
+    copies = [line for line in hlo.splitlines() if " copy(" in line and "[4,64,48]" in line.split("copy(")[0]]
+    assert not copies, copies

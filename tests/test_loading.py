@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import huggingface_hub
+import huggingface_hub.constants
 import jax
 import jax.numpy as jnp
 import numpy as np

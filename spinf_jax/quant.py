@@ -84,23 +84,34 @@ def matmul_precision(dtype):
 def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
     """x [..., in] @ w[out, in]ᵀ → [..., out], in x's dtype unless out_dtype is given."""
     out_dtype = out_dtype or x.dtype
-    contract = (((x.ndim - 1,), (1,)), ((), ()))
-    if not isinstance(w, QuantArray):
-        y = jax.lax.dot_general(
-            x, w, contract, precision=matmul_precision(x.dtype), preferred_element_type=jnp.float32
-        )
-        return y.astype(out_dtype)
-    if w.values.dtype == jnp.float8_e4m3fn:
-        xq, x_scale = _quantize_rows_fp8(x)
-        # The GEMM writes the output's dtype where that is 16-bit (f32 for f32 outputs: the logits): half
-        # the bytes of an f32 result for the scaling that follows to read. On an H100 the seed job ran 7.5%
-        # faster than with f32 written (benchmarks/results, fp8 GEMM output, 2026-12-06).
-        y = jax.lax.dot_general(
-            xq, w.values, contract, preferred_element_type=jnp.promote_types(out_dtype, jnp.bfloat16)
-        )
-        return (y.astype(jnp.float32) * x_scale * w.scale).astype(out_dtype)
-    y = jax.lax.dot_general(x, w.values.astype(x.dtype), contract, preferred_element_type=jnp.float32)
-    return (y * w.scale).astype(out_dtype)
+    with jax.named_scope("linear"):  # names the GEMM and its scaling in device profiles
+        contract = (((x.ndim - 1,), (1,)), ((), ()))
+        if not isinstance(w, QuantArray):
+            y = jax.lax.dot_general(
+                x, w, contract, precision=matmul_precision(x.dtype), preferred_element_type=jnp.float32
+            )
+            return y.astype(out_dtype)
+        if w.values.dtype == jnp.float8_e4m3fn:
+            xq, x_scale = _quantize_rows_fp8(x)
+            # The GEMM writes the output's dtype where that is 16-bit (f32 for f32 outputs: the logits):
+            # half the bytes of an f32 result for the scaling that follows to read. On an H100 the seed job
+            # ran 7.5% faster than with f32 written (benchmarks/results, fp8 GEMM output, 2026-12-06).
+            y = jax.lax.dot_general(
+                xq, w.values, contract, preferred_element_type=jnp.promote_types(out_dtype, jnp.bfloat16)
+            )
+            return (y.astype(jnp.float32) * x_scale * w.scale).astype(out_dtype)
+        y = jax.lax.dot_general(x, w.values.astype(x.dtype), contract, preferred_element_type=jnp.float32)
+        return (y * w.scale).astype(out_dtype)
+
+
+def stacked_outputs(*ws: Weight) -> Weight:
+    """Weights [out_i, in] that one input goes through, as one [Σ out_i, in]: one GEMM instead of several,
+    its output split after. Stack them outside a loop over row tiles: XLA merges such GEMMs itself, but
+    inside the loop, where it copied Gemma 3 12B's q, k and v weights once per tile of 1,024 rows (4% of a
+    pass's kernel time on an H100, benchmarks/results, 2026-12-06)."""
+    if isinstance(ws[0], QuantArray):
+        return QuantArray(jnp.concatenate([w.values for w in ws]), jnp.concatenate([w.scale for w in ws]))
+    return jnp.concatenate(ws)
 
 
 def grouped_linear(x: jax.Array, tile_expert: jax.Array, w: Weight, out_dtype=None, *, interpret=False):

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spinf_jax.quant import Precision, QuantArray, embed, linear, quantize
+from spinf_jax.quant import Precision, QuantArray, embed, linear, quantize, stacked_outputs
 
 
 @pytest.mark.parametrize(("precision", "rel"), [(Precision.FP8, 0.08), (Precision.INT8, 0.02)])
@@ -39,3 +39,13 @@ def test_unquantized_precisions_cast():
     w = jnp.ones((4, 4), jnp.float32)
     assert quantize(w, Precision.BF16).dtype == jnp.bfloat16
     assert quantize(w, Precision.FP32).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("precision", [Precision.FP8, Precision.BF16])
+def test_stacked_outputs_are_one_gemm_of_the_same_bits(precision):
+    kx, ka, kb = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(kx, (16, 64), jnp.bfloat16)
+    a, b = (quantize(jax.random.normal(k, (n, 64)), precision) for k, n in ((ka, 32), (kb, 16)))
+    both = jax.jit(lambda x: linear(x, stacked_outputs(a, b)))(x)
+    apart = jax.jit(lambda x: jnp.concatenate([linear(x, a), linear(x, b)], axis=-1))(x)
+    np.testing.assert_array_equal(np.asarray(both, np.float32), np.asarray(apart, np.float32))

@@ -25,9 +25,10 @@ from spinf_jax.models.layers import (
     gated_mlp,
     gelu_tanh,
     rms_norm,
+    split_qkv,
 )
 from spinf_jax.models.params import Kind, layer_weight
-from spinf_jax.quant import Precision, embed, linear
+from spinf_jax.quant import Precision, embed, linear, stacked_outputs
 
 
 @dataclass(frozen=True)
@@ -107,19 +108,20 @@ class Layer(nnx.Module):
     def __call__(self, x: jax.Array, batch: Batch, row_tile: int | None):
         """→ (the residual stream after this layer, the keys and values it attended with)."""
         cfg = self.cfg
-        q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
+        qkv = stacked_outputs(self.q.get_value(), self.k.get_value(), self.v.get_value())
+        q, k, v = by_rows(partial(self._qkv, qkv), row_tile, x, batch.positions)
         scale, window = cfg.query_pre_attn_scalar**-0.5, cfg.sliding_window if self.sliding else None
         attn = attention(q, k, v, batch, scale=scale, window=window)
         return by_rows(self._after_attention, row_tile, x, attn), (k, v)
 
-    def _qkv(self, x, positions):
-        """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden]."""
-        cfg, t = self.cfg, x.shape[0]
+    def _qkv(self, qkv, x, positions):
+        """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden], through the
+        q, k and v weights stacked (qkv)."""
+        cfg = self.cfg
         rope = cfg.rope_local if self.sliding else cfg.rope_global
         h = _norm(x, self.input_norm, cfg)
-        q = _norm(linear(h, self.q.get_value()).reshape(t, cfg.num_heads, cfg.head_dim), self.q_norm, cfg)
-        k = _norm(linear(h, self.k.get_value()).reshape(t, cfg.num_kv_heads, cfg.head_dim), self.k_norm, cfg)
-        v = linear(h, self.v.get_value()).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = split_qkv(linear(h, qkv), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q, k = _norm(q, self.q_norm, cfg), _norm(k, self.k_norm, cfg)
         return apply_rope(q, positions, rope), apply_rope(k, positions, rope), v
 
     def _after_attention(self, x, attn):

@@ -248,13 +248,21 @@ class Rope:
         return jnp.where(jnp.arange(head_dim // 2) < rotated, freq, 0.0)
 
 
+def split_qkv(y: jax.Array, heads: int, kv_heads: int, head_dim: int) -> tuple[jax.Array, ...]:
+    """The stacked q, k and v projection's output (quant.stacked_outputs) [T, (heads + 2·kv_heads)·head_dim]
+    → q [T, heads, head_dim], k and v [T, kv_heads, head_dim]."""
+    y = y.reshape(y.shape[0], heads + 2 * kv_heads, head_dim)
+    return tuple(jnp.split(y, [heads, heads + kv_heads], axis=1))
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
     """Rotate-half rotary embedding. x [T, heads, head_dim], positions [T]."""
-    angles = positions.astype(jnp.float32)[:, None] * rope.inv_freq(x.shape[-1])[None, :]  # [T, D/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    with jax.named_scope("rope"):
+        angles = positions.astype(jnp.float32)[:, None] * rope.inv_freq(x.shape[-1])[None, :]  # [T, D/2]
+        cos = jnp.cos(angles)[:, None, :]
+        sin = jnp.sin(angles)[:, None, :]
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def gated_mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, activation) -> jax.Array:

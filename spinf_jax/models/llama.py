@@ -16,10 +16,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spinf_jax.models.decoder import Decoder
-from spinf_jax.models.layers import Batch, Rope, apply_rope, attention, by_rows, gated_mlp, rms_norm
+from spinf_jax.models.layers import (
+    Batch,
+    Rope,
+    apply_rope,
+    attention,
+    by_rows,
+    gated_mlp,
+    rms_norm,
+    split_qkv,
+)
 from spinf_jax.models.moe import Experts, route
 from spinf_jax.models.params import Kind, layer_weight
-from spinf_jax.quant import Precision, linear
+from spinf_jax.quant import Precision, linear, stacked_outputs
 
 MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
@@ -131,7 +140,8 @@ class Layer(nnx.Module):
 
     def __call__(self, x: jax.Array, batch: Batch, row_tile: int | None):
         """→ (the residual stream after this layer, the keys and values it attended with)."""
-        q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
+        qkv = stacked_outputs(self.q.get_value(), self.k.get_value(), self.v.get_value())
+        q, k, v = by_rows(partial(self._qkv, qkv), row_tile, x, batch.positions)
         attn = attention(q, k, v, batch, scale=self.cfg.head_dim**-0.5)
         if self.experts is None:
             return by_rows(self._after_attention, row_tile, x, attn), (k, v)
@@ -139,19 +149,15 @@ class Layer(nnx.Module):
         index, weight = route(probs, self.cfg.moe.top_k, self.cfg.moe.normalize)
         return x + self.experts(h, index, weight).astype(x.dtype), (k, v)
 
-    def _project(self, x, w: nnx.Param, bias: nnx.Param | None, heads: int):
-        y = linear(x, w.get_value())
-        if bias is not None:
-            y = y + bias.get_value().astype(y.dtype)
-        return y.reshape(x.shape[0], heads, self.cfg.head_dim)
-
-    def _qkv(self, x, positions):
-        """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden]."""
+    def _qkv(self, qkv, x, positions):
+        """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden], through the
+        q, k and v weights stacked (qkv)."""
         cfg = self.cfg
-        h = _norm(x, self.input_norm, cfg)
-        q = self._project(h, self.q, self.q_bias, cfg.num_heads)
-        k = self._project(h, self.k, self.k_bias, cfg.num_kv_heads)
-        v = self._project(h, self.v, self.v_bias, cfg.num_kv_heads)
+        y = linear(_norm(x, self.input_norm, cfg), qkv)
+        if cfg.qkv_bias:
+            bias = jnp.concatenate([b.get_value() for b in (self.q_bias, self.k_bias, self.v_bias)])
+            y = y + bias.astype(y.dtype)
+        q, k, v = split_qkv(y, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = _norm(q, self.q_norm, cfg), _norm(k, self.k_norm, cfg)
         return apply_rope(q, positions, cfg.rope), apply_rope(k, positions, cfg.rope), v

@@ -8,8 +8,13 @@ The engine is Gemma 3 12B's shape with made-up weights (common.random_engine): s
 values. The seed job is scored once to compile and warm, then `--repeats` times inside `jax.profiler.trace`;
 the kernels of the trace's GPU streams are summed by class. Writes pass_profile.json (every kernel name with
 its class, calls and seconds) and pass_profile.md (the table), and prints the table.
+
+A second table puts the time by what the model code was doing: the programs' optimized HLO (written beside,
+gzipped) says which of the model's named scopes (mlp, linear, quantize, norm, rope, attention, lm_head) the
+ops XLA fused into each of its kernels came from. `--from DIR` redoes that table from a run's files.
 """
 
+import argparse
 import gzip
 import json
 import re
@@ -21,6 +26,9 @@ from pathlib import Path
 import jax
 from common import engine_args, warm_seed_engine
 
+# The model's named scopes (jax.named_scope in spinf_jax.models and spinf_jax.quant), outermost first.
+SCOPES = ("lm_head", "attention", "mlp", "linear", "quantize", "norm", "rope")
+
 # Kernel name patterns, first match wins. cuBLAS(Lt) names its GEMMs sm90_xmma_gemm_*, nvjet_* or
 # cutlass_*; XLA names its own fusions after their root op (loop_/input_ fusions, reduce_, convert_).
 CLASSES = (
@@ -28,7 +36,7 @@ CLASSES = (
     ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|triton_gemm|dot", re.I)),
     ("norms and reductions", re.compile(r"reduce|norm|softmax|argmax", re.I)),
     ("quantization and casts", re.compile(r"convert|quant|scale|e4m3|bitcast", re.I)),
-    ("copies and gathers", re.compile(r"copy|gather|scatter|dynamic.?slice|transpose|concatenate", re.I)),
+    ("copies and gathers", re.compile(r"co?py|memset|gather|scatter|dynamic.?slice|transpose|concat", re.I)),
     ("other fusions", re.compile(r".")),
 )
 
@@ -69,6 +77,82 @@ def device_kernels(trace_dir: Path) -> list[tuple[str, float, float]]:
         for e in events
         if e.get("ph") == "X" and (e["pid"], e["tid"]) in streams
     ]
+
+
+def hlo_labels(hlo: str) -> dict[str, str]:
+    """HLO instruction name → where its work comes from in the model: the named scopes (SCOPES, as paths
+    such as "mlp/linear/quantize") of the ops fused into it, or where none has a scope, its root's primitive
+    in brackets ("[dynamic_update_slice]")."""
+    computations: dict[str, list[tuple[str, str, list[str]]]] = {}
+    roots: dict[str, str] = {}  # computation → its root's opcode
+    opcodes: dict[str, str] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):
+            head = line.removeprefix("ENTRY ").split()[0].lstrip("%")
+            current = computations.setdefault(head, [])
+        elif current is not None and " = " in line:
+            name = line.split(" = ")[0].split()[-1].lstrip("%")
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            calls = re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line)
+            current.append((name, op_name.group(1) if op_name else "", calls))
+            opcode = re.search(r" = .*? ([a-z][\w\-]*)\(", line)
+            opcodes[name] = opcode.group(1) if opcode else "?"
+            if line.lstrip().startswith("ROOT "):
+                roots[head] = opcodes[name]
+
+    def scope(op_name: str) -> str:
+        return "/".join(c for c in op_name.split("/") if c in SCOPES)
+
+    def scopes(computation: str, seen: set) -> set[str]:
+        if computation in seen:
+            return set()
+        seen.add(computation)
+        found = set()
+        for _, op_name, calls in computations.get(computation, ()):
+            found |= {scope(op_name)} - {""}
+            for c in calls:
+                found |= scopes(c, seen)
+        return found
+
+    labels = {}
+    for instructions in computations.values():
+        for name, op_name, calls in instructions:
+            found = {scope(op_name)} - {""}
+            for c in calls:
+                found |= scopes(c, set())
+            primitive = op_name.rsplit("/", 1)[-1] or (roots.get(calls[0], "?") if calls else opcodes[name])
+            labels[name] = " + ".join(sorted(found)) if found else f"[{primitive}]"
+    return labels
+
+
+def by_scope(kernels: list[dict], hlos: list[str]) -> list[dict]:
+    """Seconds and calls of the summary's kernels by hlo_labels' label. A kernel XLA generated is named after
+    its HLO instruction ("loop_convert_fusion_10" for loop_convert_fusion.10), looked up in the programs in
+    the order given (the largest bucket's first: its passes take most of the time, and another program may
+    reuse a name); cuBLAS's GEMMs, copies and the Pallas kernels keep their class, in brackets."""
+    labels: dict[str, str] = {}
+    for hlo in reversed(hlos):
+        labels |= {re.sub(r"[.\-]", "_", name): label for name, label in hlo_labels(hlo).items()}
+    rows: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for k in kernels:
+        row = rows[labels.get(k["name"], f"({k['class']})")]
+        row[0] += k["calls"]
+        row[1] += k["seconds"]
+    total = sum(s for _, s in rows.values())
+    return sorted(
+        ({"scopes": k, "calls": c, "seconds": s, "share": s / total} for k, (c, s) in rows.items()),
+        key=lambda r: -r["seconds"],
+    )
+
+
+def scope_table(rows: list[dict]) -> str:
+    lines = [
+        "| model scopes of the ops in a kernel | calls | seconds | share of op time |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {r['scopes']} | {r['calls']} | {r['seconds']:.4f} | {r['share']:.1%} |" for r in rows[:25]]
+    return "\n".join(lines)
 
 
 def summarize(kernels: list[tuple[str, float, float]], wall_s: float) -> dict:
@@ -112,9 +196,15 @@ def table(summary: dict, label: str) -> str:
 
 
 def main() -> None:
-    args = engine_args(__doc__)
+    args = engine_args(__doc__, lambda p: p.add_argument("--from", dest="source", help=argparse.SUPPRESS))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.source:  # the scope table again, from a run's files
+        source = Path(args.source)
+        kernels = json.loads((source / "pass_profile.json").read_text())["kernels"]
+        files = sorted(source.glob("hlo-*.txt.gz"), key=lambda f: -int(f.name.split("-")[1].split(".")[0]))
+        print(scope_table(by_scope(kernels, [gzip.decompress(f.read_bytes()).decode() for f in files])))
+        return
     engine, request = warm_seed_engine(args)  # the traced calls score contents only
     engine.score(request)
     trace_dir = Path(tempfile.mkdtemp())  # the raw trace is large: only the summary is kept
@@ -130,6 +220,12 @@ def main() -> None:
     summary |= {"device": jax.devices()[0].device_kind, "buckets": list(engine.buckets.sizes),
                 "precision": args.precision, "repeats": args.repeats}  # fmt: skip
     text = table(summary, f"seed job × {args.repeats}, Gemma 3 12B shape, {args.precision}, random weights")
+    sizes = sorted(engine.buckets.sizes, reverse=True)
+    hlos = [engine.program(size).as_text() for size in sizes]
+    for size, hlo in zip(sizes, hlos, strict=True):
+        (out / f"hlo-{size}.txt.gz").write_bytes(gzip.compress(hlo.encode()))
+    summary["scopes"] = by_scope(summary["kernels"], hlos)
+    text += "\n\n" + scope_table(summary["scopes"])
     (out / "pass_profile.json").write_text(json.dumps(summary, indent=1))
     (out / "pass_profile.md").write_text(text + "\n")
     print(text)

@@ -196,18 +196,53 @@ def timed(fn, *args, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def gemm_peaks() -> dict:
-    """fp8 and bf16 GEMM rates measured now (8192³, `x @ Wᵀ`, the layout cuBLASLt's fp8 path wants)."""
-    a = jax.random.normal(jax.random.key(1), (8192, 8192)).astype(jnp.float8_e4m3fn)
-    dot = jax.jit(
-        lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+def gemm_rate(m: int, k: int, n: int, dtype, seconds: float = 0.3) -> float:
+    """TFLOP/s of `x @ Wᵀ` (x [m, k], W [n, k], bf16 out: the layout cuBLASLt's fp8 path wants) at a steady
+    state: calls of eight GEMMs, each its own x and W (no slicing copies, nothing for XLA to merge),
+    dispatched back to back for `seconds` after as long a warm-up, so neither the host's dispatch nor the
+    clocks' ramp from idle is in the number."""
+    loop = 8  # GEMMs per call
+    keys = jax.random.split(jax.random.key(1), 2 * loop)
+    xs = [jax.random.normal(key, (m, k), jnp.bfloat16).astype(dtype) for key in keys[:loop]]
+    ws = [jax.random.normal(key, (n, k), jnp.bfloat16).astype(dtype) for key in keys[loop:]]
+    contract = (((1,), (1,)), ((), ()))
+    gemms = jax.jit(
+        lambda xs, ws: [
+            jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.bfloat16)
+            for x, w in zip(xs, ws, strict=True)
+        ]
     )
-    bf = a.astype(jnp.bfloat16)
-    flops = 2 * 8192**3
+    calls = max(1, round(seconds / timed(gemms, xs, ws, repeats=1)))
+    for _ in range(2):  # warm up, then measure
+        start, last = time.perf_counter(), None
+        for _ in range(calls):  # two calls in flight: one queued while the host waits on the other
+            out = gemms(xs, ws)
+            jax.block_until_ready(last)
+            last = out
+        jax.block_until_ready(last)
+        elapsed = time.perf_counter() - start
+    return 2 * m * k * n * loop * calls / elapsed / 1e12
+
+
+def gemm_peaks(decoder=None, rows: int = 1024) -> dict:
+    """The GEMM peaks measured now, as steady rates (gemm_rate): fp8's is the best over 8192³ and, given a
+    decoder, its linear layers' own shapes at `rows` rows (what a row tile of the engine multiplies); bf16's
+    is 8192³'s. Every shape's rate is kept under "gemm_rates"."""
+    shapes = {(8192, 8192, 8192)}
+    if decoder is not None:
+        shapes |= {(rows, k, n) for n, k in linear_shapes(decoder)}
+    rates = {f"fp8 {m}x{k}x{n}": gemm_rate(m, k, n, jnp.float8_e4m3fn) for m, k, n in sorted(shapes)}
+    bf16 = gemm_rate(8192, 8192, 8192, jnp.bfloat16)
     return {
-        "fp8_gemm_tflops": flops / timed(dot, a, a) / 1e12,
-        "bf16_gemm_tflops": flops / timed(dot, bf, bf) / 1e12,
+        "fp8_gemm_tflops": max(rates.values()),
+        "bf16_gemm_tflops": bf16,
+        "gemm_rates": rates | {"bf16 8192x8192x8192": bf16},
     }
+
+
+def linear_shapes(decoder) -> set[tuple[int, int]]:
+    """The distinct [out, in] shapes of the decoder layers' linear weights (one layer's, not stacked)."""
+    return {tuple(p.get_value().shape[-2:]) for p in params(decoder.stacks) if p.kind is Kind.LINEAR}
 
 
 def linear_params(decoder) -> int:

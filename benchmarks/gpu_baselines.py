@@ -312,9 +312,10 @@ def main() -> None:
         return
 
     # Throughput: the whole model, the same weights in every engine, one run.
-    peaks = gemm_peaks()
+    decoder = abstract_decoder(config, "bf16")
+    peaks = gemm_peaks(decoder)
     results["gemm_peaks"] = peaks
-    params = linear_params(abstract_decoder(config, "bf16"))
+    params = linear_params(decoder)
     useful = [len(a) + len(q) for a in articles for q in questions]  # tokens a question needs read
     hf = hf_model(config, torch.bfloat16, "sdpa")
     baseline_b(hf, articles, questions, options)  # warm-up

@@ -22,7 +22,8 @@ requests answered from its start to its last answer.
 
 Reported per part: questions/s (messages/hour for the pack), useful tokens/s (content and question tokens:
 floors are cached after the first request), model-FLOPs utilisation (2 × linear parameters × useful tokens)
-over the fp8 GEMM peak, p50/p99 latency, the server process's CPU seconds per request (/proc: every
+over the fp8 GEMM peak (common.gemm_peaks: the best steady rate over 8192³ and the model's own GEMM shapes),
+p50/p99 latency, the server process's CPU seconds per request (/proc: every
 thread, including the engine thread's host-side waits inside a pass on GPUs; benchmarks/host_costs.py
 measures the request work itself), the passes it took by bucket with the share of their rows that were
 useful tokens, and the share of the wall time the device had a batch to run (/metrics). Random weights at
@@ -78,6 +79,9 @@ def arguments() -> argparse.Namespace:
     )
     parser.add_argument("--a-articles", type=int, default=2, help="articles for baseline A (it is slow)")
     parser.add_argument("--compile-cache", help="compiled programs, kept across runs (default: OUT/xla)")
+    parser.add_argument(
+        "--no-peaks", action="store_true", help="skip the GEMM peaks (no MFU): for A/B runs of a part"
+    )
     parser.add_argument(
         "--serve-args", default="", help="more `spinf-jax serve` flags, e.g. --serve-args=--no-hold-back"
     )
@@ -369,16 +373,17 @@ def main() -> None:
         "weights": f"made-up (loader.random_model, seed 0) at the shape of {config.name}",
         "rows": {},
     }
-    # The CPU has no fp8 GEMM peak worth the minutes of measuring it (a dry run of the script there).
-    cpu = jax.default_backend() == "cpu"
-    results |= {"fp8_gemm_tflops": float("nan"), "bf16_gemm_tflops": float("nan")} if cpu else gemm_peaks()
-    print("peaks", {k: v for k, v in results.items() if k.endswith("tflops")}, flush=True)
     job = seed_job()
     request = seed_request(job)
     buckets = Buckets(tuple(int(b) for b in args.buckets.split(",")))
     cache = Path(args.compile_cache or out / "xla")
     use_compilation_cache(cache)  # the server reads what this process compiled: its start is a warm one
     model = random_model(config, args.tokenizer, args.precision)
+    # The CPU has no fp8 GEMM peak worth the minutes of measuring it (a dry run of the script there).
+    skip = args.no_peaks or jax.default_backend() == "cpu"
+    nan = {"fp8_gemm_tflops": float("nan"), "bf16_gemm_tflops": float("nan")}
+    results |= nan if skip else gemm_peaks(model.decoder, model.row_tile)
+    print("peaks", {k: v for k, v in results.items() if "tflops" in k or k == "gemm_rates"}, flush=True)
     params = linear_params(model.decoder)
     results["linear_params"] = params
     engine = Engine(model, buckets)

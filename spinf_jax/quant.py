@@ -109,6 +109,8 @@ def stacked_outputs(*ws: Weight) -> Weight:
     its output split after. Stack them outside a loop over row tiles: XLA merges such GEMMs itself, but
     inside the loop, where it copied Gemma 3 12B's q, k and v weights once per tile of 1,024 rows (4% of a
     pass's kernel time on an H100, benchmarks/results, 2026-12-06)."""
+    if len(ws) == 1:
+        return ws[0]
     if isinstance(ws[0], QuantArray):
         return QuantArray(jnp.concatenate([w.values for w in ws]), jnp.concatenate([w.scale for w in ws]))
     return jnp.concatenate(ws)

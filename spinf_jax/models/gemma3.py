@@ -25,7 +25,7 @@ from spinf_jax.models.layers import (
     gated_mlp,
     gelu_tanh,
     rms_norm,
-    split_qkv,
+    split_heads,
 )
 from spinf_jax.models.params import Kind, layer_weight
 from spinf_jax.quant import Precision, embed, linear, stacked_outputs
@@ -120,7 +120,8 @@ class Layer(nnx.Module):
         cfg = self.cfg
         rope = cfg.rope_local if self.sliding else cfg.rope_global
         h = _norm(x, self.input_norm, cfg)
-        q, k, v = split_qkv(linear(h, qkv), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+        q, k, v = split_heads(linear(h, qkv), heads, cfg.head_dim)
         q, k = _norm(q, self.q_norm, cfg), _norm(k, self.k_norm, cfg)
         return apply_rope(q, positions, rope), apply_rope(k, positions, rope), v
 

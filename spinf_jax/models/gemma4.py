@@ -37,10 +37,11 @@ from spinf_jax.models.layers import (
     gated_mlp,
     gelu_tanh,
     rms_norm,
+    split_heads,
 )
 from spinf_jax.models.moe import Experts, route
 from spinf_jax.models.params import Kind, layer_weight, weight
-from spinf_jax.quant import Precision, embed, linear
+from spinf_jax.quant import Precision, embed, linear, stacked_outputs
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,8 @@ class Layer(nnx.Module):
         """→ (the residual stream after this layer, the keys and values it computed, or None for a KV-shared
         layer). shared_kv: for a KV-shared layer, its source layer's (keys, values), else None; per_layer:
         its [T, P] input or None."""
-        q, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
+        projections = [w.get_value() for w in (self.q, self.k, self.v) if w is not None]
+        q, k, v = by_rows(partial(self._qkv, stacked_outputs(*projections)), row_tile, x, batch.positions)
         own = k is not None
         if not own:
             k, v = shared_kv
@@ -208,17 +210,18 @@ class Layer(nnx.Module):
         experts = self.experts(h, index, weight).astype(x.dtype)
         return by_rows(self._after_experts, row_tile, x, mlp, experts, *extra), (k, v) if own else None
 
-    def _qkv(self, x, positions):
-        """Row-local: queries [T, H, hd] and, unless this layer reads another layer's, keys and values."""
-        cfg, t, hd = self.cfg, x.shape[0], self.head_dim
+    def _qkv(self, qkv, x, positions):
+        """Row-local: queries [T, H, hd] and, unless this layer reads another layer's, keys and values,
+        through its projections stacked (qkv: q, and k and v where it has them)."""
+        cfg, hd = self.cfg, self.head_dim
         rope = cfg.rope_local if self.sliding else cfg.rope_global
         h = _norm(x, self.input_norm, cfg)
-        q = _norm(linear(h, self.q.get_value()).reshape(t, cfg.num_heads, hd), self.q_norm, cfg)
-        q = apply_rope(q, positions, rope)
+        kv_counts = [] if self.k is None else [self.kv_heads] * (1 if self.v is None else 2)
+        q, *kv = split_heads(linear(h, qkv), (cfg.num_heads, *kv_counts), hd)
+        q = apply_rope(_norm(q, self.q_norm, cfg), positions, rope)
         if self.k is None:
             return q, None, None
-        k = linear(h, self.k.get_value()).reshape(t, self.kv_heads, hd)
-        v = k if self.v is None else linear(h, self.v.get_value()).reshape(t, self.kv_heads, hd)
+        k, v = kv if self.v is not None else (kv[0], kv[0])
         k = apply_rope(_norm(k, self.k_norm, cfg), positions, rope)
         return q, k, _norm(v, None, cfg)
 

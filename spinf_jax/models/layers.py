@@ -248,11 +248,12 @@ class Rope:
         return jnp.where(jnp.arange(head_dim // 2) < rotated, freq, 0.0)
 
 
-def split_qkv(y: jax.Array, heads: int, kv_heads: int, head_dim: int) -> tuple[jax.Array, ...]:
-    """The stacked q, k and v projection's output (quant.stacked_outputs) [T, (heads + 2·kv_heads)·head_dim]
-    → q [T, heads, head_dim], k and v [T, kv_heads, head_dim]."""
-    y = y.reshape(y.shape[0], heads + 2 * kv_heads, head_dim)
-    return tuple(jnp.split(y, [heads, heads + kv_heads], axis=1))
+def split_heads(y: jax.Array, counts: tuple[int, ...], head_dim: int) -> tuple[jax.Array, ...]:
+    """A stacked projection's output (quant.stacked_outputs: q, k and v, or fewer) [T, Σ counts · head_dim]
+    → one [T, count, head_dim] array per count."""
+    y = y.reshape(y.shape[0], sum(counts), head_dim)
+    ends = [sum(counts[: i + 1]) for i in range(len(counts) - 1)]
+    return tuple(jnp.split(y, ends, axis=1))
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:

@@ -24,7 +24,7 @@ from spinf_jax.models.layers import (
     by_rows,
     gated_mlp,
     rms_norm,
-    split_qkv,
+    split_heads,
 )
 from spinf_jax.models.moe import Experts, route
 from spinf_jax.models.params import Kind, layer_weight
@@ -157,7 +157,7 @@ class Layer(nnx.Module):
         if cfg.qkv_bias:
             bias = jnp.concatenate([b.get_value() for b in (self.q_bias, self.k_bias, self.v_bias)])
             y = y + bias.astype(y.dtype)
-        q, k, v = split_qkv(y, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = split_heads(y, (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads), cfg.head_dim)
         if cfg.qk_norm:
             q, k = _norm(q, self.q_norm, cfg), _norm(k, self.k_norm, cfg)
         return apply_rope(q, positions, cfg.rope), apply_rope(k, positions, cfg.rope), v

@@ -19,6 +19,7 @@ Multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text weights u
 the loader reads them there (checkpoint.py).
 """
 
+import itertools
 from dataclasses import dataclass
 from functools import partial
 
@@ -38,10 +39,11 @@ from spinf_jax.models.layers import (
     by_rows,
     gated_mlp,
     rms_norm,
+    split_heads,
 )
 from spinf_jax.models.moe import Experts, route
 from spinf_jax.models.params import Kind, layer_weight
-from spinf_jax.quant import Precision, linear
+from spinf_jax.quant import Precision, linear, stacked_outputs
 
 LINEAR, FULL = "linear_attention", "full_attention"
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
@@ -185,7 +187,7 @@ class GatedDeltaLayer(_Layer):
         RecurrentState decoding continues from; else None)."""
         if isinstance(batch, DecodeBatch):
             return self._decode(x, batch, row_tile)
-        mixed, z, b, a = by_rows(self._project, row_tile, x)
+        mixed, z, b, a = by_rows(self._projector(), row_tile, x)
         # The convolution reads the rows before each row on its path: gathers, exact, so still row-local.
         earlier, row = [mixed], batch.parent
         for _ in range(self.cfg.conv_kernel - 1):
@@ -216,7 +218,7 @@ class GatedDeltaLayer(_Layer):
 
         state = before(pass_state.state, step_state.state)
         window = before(pass_state.window, step_state.window)
-        mixed, z, b, a = by_rows(self._project, row_tile, x)
+        mixed, z, b, a = by_rows(self._projector(), row_tile, x)
         window = jnp.concatenate([mixed[:, None], window], axis=1)  # [R, kernel, channels]
         q, k, v, gate, beta = by_rows(self._gate_inputs, row_tile, window, b, a)
         state, o = by_rows(jax.vmap(token), row_tile, state, q, k, v, gate, beta)
@@ -226,11 +228,17 @@ class GatedDeltaLayer(_Layer):
         )
         return out, after
 
-    def _project(self, x):
-        """Row-local: the input projections (q, k, v before the convolution [T, 2·key + value], z [T, value],
-        b and a [T, value heads])."""
-        h = _norm(x, self.input_norm, self.cfg)
-        return tuple(linear(h, w.get_value()) for w in (self.qkv, self.z, self.b, self.a))
+    def _projector(self):
+        """The row-local input projections (q, k, v before the convolution [T, 2·key + value], z [T, value],
+        b and a [T, value heads]) as one GEMM: their weights stacked here, outside the loop over row tiles."""
+        weights = [w.get_value() for w in (self.qkv, self.z, self.b, self.a)]
+        ends = list(itertools.accumulate(w.shape[0] for w in weights))[:-1]
+        stacked = stacked_outputs(*weights)
+
+        def project(x):
+            return tuple(jnp.split(linear(_norm(x, self.input_norm, self.cfg), stacked), ends, axis=-1))
+
+        return project
 
     def _gate_inputs(self, window, b, a):
         """Row-local: window [T, kernel, channels] (the row, then the rows before it on its path) → the gated
@@ -274,17 +282,19 @@ class AttentionLayer(_Layer):
 
     def __call__(self, x, batch: Batch, row_tile: int | None):
         """→ (the residual stream after this layer, the keys and values it attended with)."""
-        q, gate, k, v = by_rows(self._qkv, row_tile, x, batch.positions)
+        qkv = stacked_outputs(self.q.get_value(), self.k.get_value(), self.v.get_value())
+        q, gate, k, v = by_rows(partial(self._qkv, qkv), row_tile, x, batch.positions)
         attn = attention(q, k, v, batch, scale=self.cfg.head_dim**-0.5)
         return self._feed_forward(row_tile, self._mixed, x, attn, gate), (k, v)
 
-    def _qkv(self, x, positions):
-        """Row-local: queries [T, heads, head_dim], their output gates, keys and values."""
+    def _qkv(self, qkv, x, positions):
+        """Row-local: queries [T, heads, head_dim], their output gates, keys and values, through the q (with
+        its gates), k and v weights stacked (qkv)."""
         cfg, t, hd = self.cfg, x.shape[0], self.cfg.head_dim
         h = _norm(x, self.input_norm, cfg)
-        q, gate = jnp.split(linear(h, self.q.get_value()).reshape(t, cfg.num_heads, 2 * hd), 2, axis=-1)
-        k = linear(h, self.k.get_value()).reshape(t, cfg.num_kv_heads, hd)
-        v = linear(h, self.v.get_value()).reshape(t, cfg.num_kv_heads, hd)
+        heads = (2 * cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+        q_gate, k, v = split_heads(linear(h, qkv), heads, hd)  # per head: query, then gate
+        q, gate = jnp.split(q_gate.reshape(t, cfg.num_heads, 2 * hd), 2, axis=-1)
         q, k = (self._rope(_norm(y, w, cfg), positions) for y, w in ((q, self.q_norm), (k, self.k_norm)))
         return q, gate, k, v
 

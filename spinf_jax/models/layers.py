@@ -1,6 +1,7 @@
 """Building blocks shared by the model families: the packed tree batch, norms, rotary embeddings, MLP."""
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -252,8 +253,7 @@ def split_heads(y: jax.Array, counts: tuple[int, ...], head_dim: int) -> tuple[j
     """A stacked projection's output (quant.stacked_outputs: q, k and v, or fewer) [T, Σ counts · head_dim]
     → one [T, count, head_dim] array per count."""
     y = y.reshape(y.shape[0], sum(counts), head_dim)
-    ends = [sum(counts[: i + 1]) for i in range(len(counts) - 1)]
-    return tuple(jnp.split(y, ends, axis=1))
+    return tuple(jnp.split(y, list(itertools.accumulate(counts))[:-1], axis=1))
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:

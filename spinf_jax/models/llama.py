@@ -141,7 +141,10 @@ class Layer(nnx.Module):
     def __call__(self, x: jax.Array, batch: Batch, row_tile: int | None):
         """→ (the residual stream after this layer, the keys and values it attended with)."""
         qkv = stacked_outputs(self.q.get_value(), self.k.get_value(), self.v.get_value())
-        q, k, v = by_rows(partial(self._qkv, qkv), row_tile, x, batch.positions)
+        bias = None
+        if self.cfg.qkv_bias:
+            bias = jnp.concatenate([b.get_value() for b in (self.q_bias, self.k_bias, self.v_bias)])
+        q, k, v = by_rows(partial(self._qkv, qkv, bias), row_tile, x, batch.positions)
         attn = attention(q, k, v, batch, scale=self.cfg.head_dim**-0.5)
         if self.experts is None:
             return by_rows(self._after_attention, row_tile, x, attn), (k, v)
@@ -149,13 +152,12 @@ class Layer(nnx.Module):
         index, weight = route(probs, self.cfg.moe.top_k, self.cfg.moe.normalize)
         return x + self.experts(h, index, weight).astype(x.dtype), (k, v)
 
-    def _qkv(self, qkv, x, positions):
+    def _qkv(self, qkv, bias, x, positions):
         """Row-local: attention inputs [T, heads, head_dim] from the residual stream [T, hidden], through the
-        q, k and v weights stacked (qkv)."""
+        q, k and v weights stacked (qkv) and their biases stacked (or None)."""
         cfg = self.cfg
         y = linear(_norm(x, self.input_norm, cfg), qkv)
-        if cfg.qkv_bias:
-            bias = jnp.concatenate([b.get_value() for b in (self.q_bias, self.k_bias, self.v_bias)])
+        if bias is not None:
             y = y + bias.astype(y.dtype)
         q, k, v = split_heads(y, (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads), cfg.head_dim)
         if cfg.qk_norm:

@@ -1,6 +1,7 @@
 """Where a pass's device time goes at a real model shape: the seed job's passes under the JAX profiler, each
 GPU kernel put in a class (fp8/bf16 GEMMs, tree attention, norms and reductions, quantization and casts,
-other elementwise fusions), with the device's busy share of the passes' wall time.
+other elementwise fusions), with the device's busy share of the passes' wall time and its idle stretches
+by length (the kernels they came before say where the device waited for the host).
 
     python3 benchmarks/pass_profile.py --tokenizer TOKENIZER_JSON --out $OUT [--buckets 4096,16384]
 
@@ -155,6 +156,51 @@ def scope_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# Idle stretches of the device (no kernel on any stream), by length in µs: launch latency between the kernels
+# of one program is a few µs; the host walking a loop or planning the next pass shows as longer ones.
+GAP_BINS = ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf")))
+
+
+def gaps(kernels: list[tuple[str, float, float]]) -> dict:
+    """The device's idle time between its first and last kernel, by GAP_BINS, and the kernels that the
+    longer gaps (≥ 5 µs) came before: where the device waited for the host."""
+    bins = {f"{lo}-{hi} us": [0, 0.0] for lo, hi in GAP_BINS}
+    before: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    end = None
+    for name, start, dur in sorted(kernels, key=lambda k: k[1]):
+        if end is not None and start > end:
+            idle = start - end
+            lo, hi = next(b for b in GAP_BINS if b[0] <= idle < b[1])
+            bins[f"{lo}-{hi} us"][0] += 1
+            bins[f"{lo}-{hi} us"][1] += idle / 1e6
+            if idle >= 5:
+                before[name][0] += 1
+                before[name][1] += idle / 1e6
+        end = max(end or 0.0, start + dur)
+    first = min(start for _, start, _ in kernels)
+    return {
+        "span_s": (end - first) / 1e6,
+        "bins": {k: {"count": c, "seconds": s} for k, (c, s) in bins.items()},
+        "before": sorted(
+            ({"kernel": k, "count": c, "seconds": s} for k, (c, s) in before.items()), key=lambda r: -r["seconds"]
+        )[:15],
+    }
+
+
+def gap_table(g: dict) -> str:
+    idle = sum(b["seconds"] for b in g["bins"].values())
+    lines = [
+        f"The device idle {idle:.4f} s of the {g['span_s']:.3f} s from its first kernel to its last:",
+        "",
+        "| idle stretch | count | seconds |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {k} | {b['count']} | {b['seconds']:.4f} |" for k, b in g["bins"].items()]
+    lines += ["", "| kernel after an idle stretch ≥ 5 us | count | seconds idle before it |", "|---|---|---|"]
+    lines += [f"| `{r['kernel'][:90]}` | {r['count']} | {r['seconds']:.4f} |" for r in g["before"]]
+    return "\n".join(lines)
+
+
 def summarize(kernels: list[tuple[str, float, float]], wall_s: float) -> dict:
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for name, _, dur in kernels:
@@ -168,6 +214,7 @@ def summarize(kernels: list[tuple[str, float, float]], wall_s: float) -> dict:
         "wall_s": wall_s,
         "kernel_s": busy,
         "busy_share": busy / wall_s,
+        "gaps": gaps(kernels),
         "classes": {k: {"seconds": v, "share_of_kernels": v / busy} for k, v in classes.items()},
         "kernels": sorted(
             (
@@ -192,7 +239,7 @@ def table(summary: dict, label: str) -> str:
     lines += ["", "| the 12 longest kernels | class | calls | seconds |", "|---|---|---|---|"]
     for k in summary["kernels"][:12]:
         lines.append(f"| `{k['name'][:90]}` | {k['class']} | {k['calls']} | {k['seconds']:.4f} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + gap_table(summary["gaps"])
 
 
 def main() -> None:

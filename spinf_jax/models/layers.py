@@ -257,13 +257,20 @@ def split_heads(y: jax.Array, counts: tuple[int, ...], head_dim: int) -> tuple[j
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
-    """Rotate-half rotary embedding. x [T, heads, head_dim], positions [T]."""
+    """Rotate-half rotary embedding. x [T, heads, head_dim], positions [T].
+
+    The halves (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) are written as one elementwise expression over
+    the whole head, x·[cos, cos] + [x2, x1]·[−sin, sin], with the halves swapped by a reverse: split halves
+    joined by a concatenate made XLA's GPU fusions compute each half (and the q/k norm before it) in a
+    kernel of its own and copy them together after (benchmarks/results, 2026-12-06, twenty-third session)."""
     with jax.named_scope("rope"):
         angles = positions.astype(jnp.float32)[:, None] * rope.inv_freq(x.shape[-1])[None, :]  # [T, D/2]
-        cos = jnp.cos(angles)[:, None, :]
-        sin = jnp.sin(angles)[:, None, :]
-        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos = jnp.concatenate([cos, cos], axis=-1)[:, None, :]  # [T, 1, D]
+        sin = jnp.concatenate([-sin, sin], axis=-1)[:, None, :]
+        xf = x.astype(jnp.float32)
+        swapped = jnp.flip(xf.reshape(*x.shape[:-1], 2, -1), axis=-2).reshape(x.shape)  # [x2, x1]
+        return (xf * cos + swapped * sin).astype(x.dtype)
 
 
 def gated_mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, activation) -> jax.Array:

@@ -182,7 +182,8 @@ def gaps(kernels: list[tuple[str, float, float]]) -> dict:
         "span_s": (end - first) / 1e6,
         "bins": {k: {"count": c, "seconds": s} for k, (c, s) in bins.items()},
         "before": sorted(
-            ({"kernel": k, "count": c, "seconds": s} for k, (c, s) in before.items()), key=lambda r: -r["seconds"]
+            ({"kernel": k, "count": c, "seconds": s} for k, (c, s) in before.items()),
+            key=lambda r: -r["seconds"],
         )[:15],
     }
 

@@ -168,10 +168,12 @@ def server_counters(url: str) -> tuple[dict[int, float], float]:
     return passes, busy
 
 
-def between(before: tuple, after: tuple, row: dict) -> dict:
+def between(before: tuple, after: tuple, row: dict, pass_seconds: dict[int, float]) -> dict:
     """What the server did during a part: its passes by bucket, their rows, the share of those rows that were
     the requests' content and question tokens (the rest is padding, floors and alignment to attention
-    blocks), and the share of the part's wall time its device had a batch to run."""
+    blocks), the share of the part's wall time its device had a batch to run, and the share those passes
+    would take run alone, one after another (`pass_seconds`, the server's own by bucket): what is left is
+    the device waiting for the host between passes, or passes running slower while the host serves."""
     ran = {size: int(n - before[0].get(size, 0)) for size, n in sorted(after[0].items())}
     ran = {size: n for size, n in ran.items() if n}
     rows = sum(size * n for size, n in ran.items())
@@ -180,6 +182,7 @@ def between(before: tuple, after: tuple, row: dict) -> dict:
         "rows_run": rows,
         "rows_useful": row["useful_tokens"] / rows if rows else float("nan"),
         "device_busy": (after[1] - before[1]) / row["seconds"],
+        "passes_alone": sum(n * pass_seconds[size] for size, n in ran.items()) / row["seconds"],
     }
 
 
@@ -337,6 +340,7 @@ def table(results: dict) -> str:
         "server CPU ms/request",
         "rows useful",
         "device busy",
+        "passes alone",
     ]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for name, row in results["rows"].items():
@@ -352,6 +356,7 @@ def table(results: dict) -> str:
             cpu,
             f"{row['rows_useful']:.1%}" if "rows_useful" in row else "",
             f"{row['device_busy']:.1%}" if "device_busy" in row else "",
+            f"{row['passes_alone']:.1%}" if "passes_alone" in row else "",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -437,7 +442,7 @@ def main() -> None:
         def measure(name: str, bodies: list[dict], clients: int, questions_of=questions_in) -> None:
             before = server_counters(url)
             row = driver.run(bodies, clients, args.seconds, questions_of)
-            row |= between(before, server_counters(url), row)
+            row |= between(before, server_counters(url), row, results["server_pass_seconds"])
             row["mfu"] = mfu(row, params, results)
             results["rows"][name] = row
             save(results, out)

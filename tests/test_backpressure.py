@@ -234,12 +234,12 @@ class Handle:
         (self.last if leaving else self.done).wait()
 
 
-def test_a_full_batch_is_queued_behind_the_last_pass_and_results_are_read_off_the_engine_thread():
-    """While a batch runs, the requests that arrive make the next batch. One that does not fill the largest
-    bucket waits for the device to be done (more may come); one that fills it is launched once the device
-    is on the last pass of the one before, behind it, so the device does not wait for the host between
-    them. Results are read on the waiter thread and the answers built on finisher threads: the engine
-    thread only gathers and launches."""
+def test_batches_are_queued_behind_the_last_pass_and_results_are_read_off_the_engine_thread():
+    """While a batch runs, the requests that arrive make the next batch. It is launched behind the running
+    batch once the device is on that batch's last pass (the device does not wait for the host between them);
+    before that, more requests may join it, up to the largest bucket, which then waits for the last pass.
+    Results are read on the waiter thread and the answers built on finisher threads: the engine thread only
+    gathers and launches."""
     launched, reads, threads = [], [], []
 
     class Device:
@@ -269,27 +269,32 @@ def test_a_full_batch_is_queued_behind_the_last_pass_and_results_are_read_off_th
     first = runner.submit(SimpleNamespace(trees=[[0]]), finish)
     until(lambda: launched)
     later = [runner.submit(SimpleNamespace(trees=[[0]]), finish) for _ in range(2)]
-    launched[0].last.set()
-    time.sleep(0.1)  # two tokens of four: they wait for the first batch to be done, or for more to come
+    time.sleep(0.1)  # the device is not on the first batch's last pass yet: the two wait for company
     assert len(launched) == 1
-    later += [runner.submit(SimpleNamespace(trees=[[0]]), finish) for _ in range(2)]
-    until(lambda: len(launched) == 2)  # four tokens: launched behind the first batch's last pass
-    assert launched[1].behind is launched[0] and len(launched[1].trees) == 4
-    assert not first.done() and not reads  # the first batch is still on the device
+    launched[0].last.set()
+    until(lambda: len(launched) == 2)  # launched behind the first batch's last pass
+    assert launched[1].behind is launched[0] and len(launched[1].trees) == 2
+    later += [runner.submit(SimpleNamespace(trees=[[0]]), finish) for _ in range(4)]
+    time.sleep(0.1)  # four tokens fill the largest bucket: they wait for the second batch's last pass
+    assert len(launched) == 2 and not first.done() and not reads  # the first batch is still on the device
     time.sleep(0.2)
     launched[0].done.set()
     assert first.result(timeout=10) == [1]
     launched[1].last.set()
-    launched[1].done.set()
-    assert [f.result(timeout=10) for f in later] == [[1]] * 4
+    until(lambda: len(launched) == 3)
+    assert launched[2].behind is launched[1] and len(launched[2].trees) == 4
+    for handle in launched[1:]:
+        handle.last.set()
+        handle.done.set()
+    assert [f.result(timeout=10) for f in later] == [[1]] * 6
     runner.close()
-    assert reads == [(1, "spinf-wait_0"), (4, "spinf-wait_0")]
-    # The second batch's device time starts when the first is done, not at its launch: no second counted
+    assert reads == [(1, "spinf-wait_0"), (2, "spinf-wait_0"), (4, "spinf-wait_0")]
+    # A batch's device time starts when the one before is done, not at its launch: no second counted
     # twice. Its requests' queue time runs until then.
-    assert busy[0] > 0.2 and busy[1] < 0.1
-    assert all(f.queue_s > 0.2 for f in later[2:]) and all(f.pass_s < 0.1 for f in later)
-    assert "spinf-engine" not in threads and len(threads) == 5
-    # A batch gathered after a batch that was done goes on its own, not behind it.
+    assert busy[0] > 0.2 and busy[1] < 0.1 and busy[2] < 0.1
+    assert all(f.queue_s > 0.2 for f in later) and all(f.pass_s < 0.1 for f in later)
+    assert "spinf-engine" not in threads and len(threads) == 7
+    # A batch gathered with the device idle goes on its own, not behind anything.
     assert launched[0].behind is None
 
 

@@ -1,17 +1,19 @@
-"""One thread owns the device. It gathers the trees of concurrent requests into shared passes: with the
-device idle, a request waits for company at most `max_delay` seconds, or until the pending trees fill the
-largest bucket; with a batch on the device, the next batch is what arrives until the device is done, and is
-launched then. A batch that fills the largest bucket before that is launched as soon as the device is on
-the last pass of the one before, queued behind it (Engine.launch's `behind`): under a steady stream the
-device goes from batch to batch without waiting for the host to read results, cut and pack. This thread
-does nothing but gather, cut and launch, and between batches it sleeps on the queue; a waiter thread tells
-it when the device is on a batch's last pass and when it is done (_Done), reads the batch's results and
-hands them to finisher threads, which build the responses. (Launching a pass holds the thread that
-launches until the device has taken most of it: on the H200 at the Gemma 3 12B shape, 458 ms of a 528 ms
-pass. Answers read on the launching thread went out most of a pass late.) A batch gathered while the
-device was busy may launch without its last requests, where its passes cost less per token without them;
-they lead the next batch (_split). Scores do not depend on what shares a pass (see packer), so batching
-never changes an answer.
+"""One thread owns the device. It gathers the trees of concurrent requests into shared passes: with the device
+idle, a request waits for company at most `max_delay` seconds, or until the pending trees fill the largest
+bucket; with a batch on the device, what arrives makes the next batch, which is launched behind the running
+batch's last pass (Engine.launch's `behind`) as soon as the device is on that pass, or once it fills the
+largest bucket and the device gets there: under a steady stream the device goes from batch to batch without
+waiting for the host to cut, pack and launch. (Waiting for the device to be done, for more requests to come,
+left it idle for that host work between every two batches: at 8 clients of one article each on an H100, the
+passes run alone would have taken 85-86% of the wall time; launched behind, 89-90%, and 4.7% more questions a
+second; benchmarks/results, 2026-12-06, twenty-third session.) This thread does nothing but gather, cut and
+launch, and between batches it sleeps on the queue; a waiter thread tells it when the device is on a batch's
+last pass and when it is done (_Done), reads the batch's results and hands them to finisher threads, which
+build the responses. (Launching a pass holds the thread that launches until the device has taken most of it:
+on the H200 at the Gemma 3 12B shape, 458 ms of a 528 ms pass. Answers read on the launching thread went out
+most of a pass late.) A batch gathered while the device was busy may launch without its last requests, where
+its passes cost less per token without them; they lead the next batch (_split). Scores do not depend on what
+shares a pass (see packer), so batching never changes an answer.
 
 It also knows how long the queue will take (tokens waiting over the tokens per second it measured), which is
 what a full queue tells clients to wait (Retry-After), and it drops the requests whose clients left. Each
@@ -41,11 +43,12 @@ class QueueFull(Exception):
 
 
 class _Done:
-    """Put on the queue by the waiter thread once the device has finished a launch: the engine thread sleeps
-    on the queue alone, woken by a request or by this, instead of asking the device every millisecond."""
+    """Put on the queue by the waiter thread once the device is on a launch's last pass (finished False) and
+    once it has finished it: the engine thread sleeps on the queue alone, woken by a request or by this,
+    instead of asking the device every millisecond."""
 
-    def __init__(self, handle):
-        self.handle = handle
+    def __init__(self, handle, finished: bool = True):
+        self.handle, self.finished = handle, finished
 
 
 @dataclass
@@ -150,23 +153,27 @@ class Runner:
     def _gather(self, batch: list, busy: _OnDevice | None = None) -> tuple[list, bool]:
         """The next batch, after `batch` (the first request, or those held from the last batch), and whether
         `busy` is still on the device. With the device idle: what arrives within max_delay. With a batch on
-        the device (`busy`): what arrives until it is done, or, once the trees fill the largest bucket,
-        until it is on its last pass (the rest would wait anyway: the new batch is queued behind it, and the
-        device never waits for the host between them). Never more than fills the largest bucket."""
+        the device (`busy`): what arrives until the device is on its last pass (the batch is launched behind
+        it then), or until it is done, or once the trees fill the largest bucket, until it is on its last
+        pass. Requests that arrive before the device gets there join; held ones alone wait for company.
+        Never more than fills the largest bucket."""
         tokens = sum(ticket.tokens for _, _, ticket in batch)
+        held = len(batch)
         deadline = time.monotonic() + self.max_delay
         done = busy is None
         while tokens < self.engine.buckets.largest:
+            if busy is not None and len(batch) > held and busy.last.is_set() and self._queue.empty():
+                break  # the device is on the last pass: what has come goes behind it now
             wait = None if busy is not None else max(0.0, deadline - time.monotonic())
             try:  # with a batch on the device: until a request or that batch's _Done comes
                 item = self._queue.get(timeout=wait)
             except queue.Empty:
                 break
             if isinstance(item, _Done):
-                if busy is not None and item.handle is busy.handle:
+                if busy is not None and item.handle is busy.handle and item.finished:
                     done = True
                     break
-                continue  # an earlier launch's
+                continue  # an earlier launch's, or the device on busy's last pass (checked above)
             if item is None:
                 self._queue.put(None)  # let the loop see the stop after this batch
                 break
@@ -177,9 +184,9 @@ class Runner:
         return batch, not done
 
     def _loop(self) -> None:
-        """Gather a batch while the one before runs and launch it once that one is done, or behind its last
-        pass when the new one is full. This thread only gathers, cuts and launches: the waiter thread reads
-        each batch's results once the device is done and hands them to the finishers (_finish)."""
+        """Gather a batch while the one before runs and launch it behind that one's last pass, or once that
+        one is done where nothing came before. This thread only gathers, cuts and launches: the waiter thread
+        reads each batch's results once the device is done and hands them to the finishers (_finish)."""
         on_device = None  # the batch launched last, which may still be on the device
         while True:
             if on_device is None and not self._held:
@@ -247,6 +254,7 @@ class Runner:
         with contextlib.suppress(Exception):  # a device failure: collect raises it, for the batch's requests
             handle.wait(leaving=1)
             on_device.last.set()
+            self._queue.put(_Done(handle, finished=False))
             handle.wait()
         on_device.last.set()  # again, for a failure: the engine thread must not wait on it forever
         self._queue.put(_Done(handle))

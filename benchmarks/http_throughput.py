@@ -23,23 +23,27 @@ requests answered from its start to its last answer.
 Reported per part: questions/s (messages/hour for the pack), useful tokens/s (content and question tokens:
 floors are cached after the first request), model-FLOPs utilisation (2 × linear parameters × useful tokens)
 over the fp8 GEMM peak (common.gemm_peaks: the best steady rate over 8192³ and the model's own GEMM shapes),
-p50/p99 latency, the server process's CPU seconds per request (/proc: every
-thread, including the engine thread's host-side waits inside a pass on GPUs; benchmarks/host_costs.py
-measures the request work itself), the passes it took by bucket with the share of their rows that were
-useful tokens, and the share of the wall time the device had a batch to run (/metrics). Random weights at
-the real shape: speed does not depend on the values. The buckets are the server's default unless --buckets
-says otherwise; the library engine has every bucket compiled and timed (Engine.warmup), and the parts start
-once the server has too, so both cut batches by the same kind of costs.
+p50/p99 latency, the server process's CPU seconds per request (/proc: every thread, including the engine
+thread's host-side waits inside a pass on GPUs; benchmarks/host_costs.py measures the request work itself),
+the passes it took by bucket with the share of their rows that were useful tokens, and the share of the wall
+time the device had a batch to run (/metrics). Random weights at the real shape: speed does not depend on the
+values. `--profile-part TEXT` traces the server through the middle half of the part whose name holds TEXT
+(POST /v1/admin/profile, `serve --profile-dir`) and writes served_profile.md: pass_profile's tables of the
+served kernels and of the device's idle stretches. The buckets are the server's default unless --buckets says
+otherwise; the library engine has every bucket compiled and timed (Engine.warmup), and the parts start once
+the server has too, so both cut batches by the same kind of costs.
 """
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -54,6 +58,8 @@ from common import (
     served_shape_config,
     write_articles,
 )
+from pass_profile import device_kernels, summarize
+from pass_profile import table as kernel_table
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import start_server, stop_server, wait_compiled, wait_ready
 
@@ -84,6 +90,12 @@ def arguments() -> argparse.Namespace:
     )
     parser.add_argument(
         "--serve-args", default="", help="more `spinf-jax serve` flags, e.g. --serve-args=--no-hold-back"
+    )
+    parser.add_argument(
+        "--profile-part",
+        metavar="TEXT",
+        help="trace the server (POST /v1/admin/profile) through the middle half of the first part whose "
+        "name holds TEXT, e.g. '8 clients': served_profile.md has pass_profile's tables of it",
     )
     parser.add_argument("--out", default=".")
     return parser.parse_args()
@@ -166,6 +178,29 @@ def server_counters(url: str) -> tuple[dict[int, float], float]:
             elif sample.name == "spinf_device_busy_seconds_total":
                 busy = sample.value
     return passes, busy
+
+
+def profile_server(url: str, seconds: float) -> Path:
+    """The server's trace of the middle half of a part `seconds` long (POST /v1/admin/profile); its folder."""
+    time.sleep(seconds / 4)
+    response = httpx.post(f"{url}/v1/admin/profile", json={"seconds": seconds / 2}, timeout=seconds + 600)
+    response.raise_for_status()
+    return Path(response.json()["trace_dir"])
+
+
+def served_profile(trace_dir: Path, part: str, out: Path) -> dict:
+    """pass_profile's tables of a served trace: kernels by class, the longest, and the device's idle
+    stretches between them (the host launching, planning, reading results). Written to served_profile.md;
+    the raw trace (tens of MB) is removed."""
+    kernels = device_kernels(trace_dir)
+    if not kernels:
+        raise RuntimeError(f"no GPU kernels in the served trace {trace_dir}: this profiles a GPU server")
+    summary = summarize(kernels, (max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)) / 1e6)
+    text = kernel_table(summary, f"served, {part}: the trace's span")
+    (out / "served_profile.md").write_text(text + "\n")
+    shutil.rmtree(trace_dir)
+    print(text, flush=True)
+    return summary | {"part": part}
 
 
 def between(before: tuple, after: tuple, row: dict, pass_seconds: dict[int, float]) -> dict:
@@ -418,6 +453,7 @@ def main() -> None:
         "256",
         "--log-level",
         "warning",
+        *(["--profile-dir", str(out / "profile")] if args.profile_part else []),
         *args.serve_args.split(),
     ]
     start = time.perf_counter()
@@ -441,7 +477,12 @@ def main() -> None:
 
         def measure(name: str, bodies: list[dict], clients: int, questions_of=questions_in) -> None:
             before = server_counters(url)
+            profiled = None
+            if args.profile_part and args.profile_part in name and not results.get("served_profile"):
+                profiled = ThreadPoolExecutor(1).submit(profile_server, url, args.seconds)
             row = driver.run(bodies, clients, args.seconds, questions_of)
+            if profiled:
+                results["served_profile"] = served_profile(profiled.result(), name, out)
             row |= between(before, server_counters(url), row, results["server_pass_seconds"])
             row["mfu"] = mfu(row, params, results)
             results["rows"][name] = row

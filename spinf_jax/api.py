@@ -614,6 +614,23 @@ class Health(Struct, kw_only=True, omit_defaults=True):
     ] = None
 
 
+class ProfileRequest(Struct, kw_only=True):
+    """POST /v1/admin/profile: trace the served traffic for a while (a server started with --profile-dir)."""
+
+    seconds: Annotated[float, Meta(gt=0, le=300, description="how long to trace, at most 300")] = 10.0
+
+
+class ProfileResult(Struct, kw_only=True):
+    trace_dir: Annotated[
+        str,
+        Meta(
+            description="the folder on the server's machine holding the trace: XProf/TensorBoard read it, "
+            "and Perfetto its plugins/profile/*/perfetto_trace.json.gz"
+        ),
+    ]
+    seconds: Annotated[float, Meta(description="how long it traced")]
+
+
 ErrorType = Literal[
     "invalid_request_error",
     "authentication_error",

@@ -522,6 +522,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --allow-remote-media: the longest one image may take to fetch (default 10)",
     )
     p.add_argument(
+        "--profile-dir",
+        metavar="DIR",
+        help="let POST /v1/admin/profile write traces of the served traffic (device kernels, host threads) "
+        "under DIR (docs/api.md)",
+    )
+    p.add_argument(
         "--devices",
         metavar="all|N",
         help="a replica process per device (all, or the first N), behind one front on --port; each scores as "

@@ -15,10 +15,13 @@ from spinf_jax.server.app import Settings, create_app
 
 API_MD = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 # The routes' bodies: what the server decodes, and what it answers with (errors included).
-REQUESTS = (api.ScoreRequest, api.ChatCompletionRequest, api.DecideRequest, api.SharedDecideRequest)
+REQUESTS = (
+    *(api.ScoreRequest, api.ChatCompletionRequest, api.DecideRequest, api.SharedDecideRequest),
+    api.ProfileRequest,
+)
 RESPONSES = (
     *(api.ScoreResponse, api.ChatCompletion, api.DecisionResult, api.SharedDecisions),
-    *(api.ModelList, api.PackList, api.Health, api.ErrorEnvelope),
+    *(api.ModelList, api.PackList, api.Health, api.ProfileResult, api.ErrorEnvelope),
 )
 HEADING = re.compile(r"^#+ (.*)$", re.M)
 STRUCT_NAME = re.compile(r"`([A-Z]\w*)`")

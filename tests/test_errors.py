@@ -169,7 +169,7 @@ def _failing_plan(message: str):
     return plan
 
 
-def test_server_codes_are_reachable(client, monkeypatch):
+def test_server_codes_are_reachable(client, monkeypatch, tmp_path):
     def code_of(response, status):
         assert response.status_code == status, response.text
         return response.json()["error"]["code"]
@@ -184,6 +184,10 @@ def test_server_codes_are_reachable(client, monkeypatch):
         code_of(client.post("/v1/score", content=b" " * (3 * 1024 * 1024)), 413),
     }
     server = client.app.state.server
+    reached.add(code_of(client.post("/v1/admin/profile", json={}), 404))  # no --profile-dir
+    monkeypatch.setattr(server, "settings", replace(server.settings, profile_dir=tmp_path))
+    with server.profiling:  # a profile being taken
+        reached.add(code_of(client.post("/v1/admin/profile", json={}), 409))
     monkeypatch.setattr(server.runner, "max_queue", 0)
     reached.add(code_of(client.post("/v1/score", json=_body()), 429))
     monkeypatch.setattr(server.runner, "max_queue", 1)

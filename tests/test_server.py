@@ -3,7 +3,9 @@
 import copy
 import json
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -402,3 +404,30 @@ def test_warm_extraction_is_asked_of_the_engine_at_start(engine, monkeypatch):
         with TestClient(create_app(Settings(MODEL, warm_extraction=warm, packs={}), engine)) as client:
             assert loaded(client)["status"] == "ok"
     assert asked == [(True, False), (False, True)]
+
+
+def test_a_profile_traces_the_server_while_it_serves(engine, tmp_path):
+    """POST /v1/admin/profile (serve --profile-dir) writes a trace of the running process, behind the key,
+    one at a time, while requests are still answered; without the flag it is profiling_off."""
+    settings = Settings(MODEL, api_keys=("sekret",), profile_dir=tmp_path, packs={})
+    key = {"authorization": "Bearer sekret"}
+    with serving(create_app(settings, engine)) as url, ThreadPoolExecutor(1) as pool:
+        assert httpx.post(f"{url}/v1/admin/profile", json={"seconds": 0.1}).status_code == 401
+        bad = httpx.post(f"{url}/v1/admin/profile", json={"seconds": 0}, headers=key)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "seconds"
+        ask = f"{url}/v1/admin/profile"
+        first = pool.submit(httpx.post, ask, json={"seconds": 3}, headers=key, timeout=120)
+        time.sleep(0.5)
+        second = httpx.post(f"{url}/v1/admin/profile", json={"seconds": 0.1}, headers=key)
+        assert second.status_code == 409 and second.json()["error"]["code"] == "profile_running"
+        scored = httpx.post(f"{url}/v1/score", json=BODY, headers=key, timeout=120)
+        assert scored.status_code == 200
+        answer = first.result()
+        assert answer.status_code == 200, answer.text
+        trace = Path(answer.json()["trace_dir"])
+        assert trace.parent == tmp_path and answer.json()["seconds"] >= 3
+        assert list(trace.glob("plugins/profile/*/perfetto_trace.json.gz"))
+    with TestClient(create_app(Settings(MODEL, packs={}), engine)) as client:
+        loaded(client)  # not left loading when the test ends
+        off = client.post("/v1/admin/profile", json={})
+        assert off.status_code == 404 and off.json()["error"]["code"] == "profiling_off"

@@ -3,6 +3,7 @@ on worker threads and scored by the engine thread (runner.Runner); handlers only
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class Server:
     failure: str | None = None
     ready_at: int | None = None
     memory_needed: int | None = None  # bytes: the largest pass's peak (Engine.device_bytes_needed)
+    profiling: threading.Lock = field(default_factory=threading.Lock)  # held while a profile is taken
 
     def __post_init__(self):
         self.metrics.read_queue_depth(lambda: self.runner.depth if self.runner else 0)
@@ -310,6 +312,37 @@ async def packs(request: Request) -> api.PackList:
     return api.PackList(data=[describe(p.loaded) for p in server.service.packs.values()])
 
 
+@post(
+    "/v1/admin/profile",
+    status_code=200,
+    guards=[_authorize],
+    security=KEYED,
+    responses=error_responses(400, 401, 404, 409),
+    summary="Trace the served traffic: device kernels and host threads (serve --profile-dir)",
+)
+async def profile(request: Request, data: JSONBody[api.ProfileRequest]) -> api.ProfileResult:
+    """The JAX profiler runs for `seconds` while the server goes on serving; the answer comes when the trace
+    is written. One at a time."""
+    server = _server(request)
+    if server.settings.profile_dir is None:
+        raise ApiError("profiling_off", "this server was started without --profile-dir")
+    if not server.profiling.acquire(blocking=False):
+        raise ApiError("profile_running", "a profile is being taken: ask again when it has ended")
+    try:
+        # Replicas (serve --devices) share the folder: each names its traces by its process.
+        folder = server.settings.profile_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        start = time.perf_counter()
+        await anyio.to_thread.run_sync(_trace, folder, data.seconds)
+        return api.ProfileResult(trace_dir=str(folder), seconds=round(time.perf_counter() - start, 3))
+    finally:
+        server.profiling.release()
+
+
+def _trace(folder, seconds: float) -> None:
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        time.sleep(seconds)
+
+
 @get(
     "/health",
     responses={
@@ -421,7 +454,17 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
     """The app; it loads (or takes) the engine in the background and answers 503 until it is compiled."""
     server = Server(settings)
     app = Litestar(
-        route_handlers=[score, chat_completions, decide, decide_shared, models, packs, health, metrics],
+        route_handlers=[
+            score,
+            chat_completions,
+            decide,
+            decide_shared,
+            models,
+            packs,
+            profile,
+            health,
+            metrics,
+        ],
         guards=[_metrics_behind_key] if settings.metrics_auth else [],
         request_class=ApiRequest,
         exception_handlers=EXCEPTION_HANDLERS,

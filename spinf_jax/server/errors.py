@@ -18,6 +18,7 @@ _TYPES: dict[int, api.ErrorType] = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     501: "not_supported_error",

@@ -61,6 +61,9 @@ class Settings:
     warm_extraction: bool = False
     # Fetch https:// image URLs within this many seconds each (--allow-remote-media); None: refuse them.
     remote_media_timeout_s: float | None = None
+    # POST /v1/admin/profile writes device and host traces of the served traffic under this folder
+    # (--profile-dir); None: the route answers profiling_off.
+    profile_dir: Path | None = None
 
     def limits(self) -> Limits:
         """What requests may ask of this server (compiler.Limits)."""
@@ -159,6 +162,9 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
             calibration = load_calibration(args.calibration)
         except CalibrationError as e:
             problems.append(f"--calibration: {e}")
+    profile_dir = None if args.profile_dir is None else Path(args.profile_dir).expanduser()
+    if profile_dir is not None and profile_dir.exists() and not profile_dir.is_dir():
+        problems.append(f"--profile-dir: {str(profile_dir)!r} is not a folder")
     devices = args.devices
     if devices is not None and devices != "all":
         _whole("--devices", devices, problems, low=1)
@@ -181,6 +187,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         random_weights=random_weights,
         warm_extraction=args.warm_extraction,
         remote_media_timeout_s=remote_s if args.allow_remote_media else None,
+        profile_dir=profile_dir,
     )
     return Launch(settings, args.host, port, args.log_level.lower(), cache, devices)
 

@@ -416,16 +416,17 @@ def test_a_profile_traces_the_server_while_it_serves(engine, tmp_path):
         bad = httpx.post(f"{url}/v1/admin/profile", json={"seconds": 0}, headers=key)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "seconds"
         ask = f"{url}/v1/admin/profile"
-        first = pool.submit(httpx.post, ask, json={"seconds": 3}, headers=key, timeout=120)
-        time.sleep(0.5)
+        first = pool.submit(httpx.post, ask, json={"seconds": 1.5}, headers=key, timeout=120)
+        time.sleep(0.3)
         second = httpx.post(f"{url}/v1/admin/profile", json={"seconds": 0.1}, headers=key)
         assert second.status_code == 409 and second.json()["error"]["code"] == "profile_running"
-        scored = httpx.post(f"{url}/v1/score", json=BODY, headers=key, timeout=120)
-        assert scored.status_code == 200
+        yes_no = {"id": "q", "template": "\n\nAnswer:{?}", "options": [" yes", " no"]}
+        asked = {"messages": [{"role": "user", "content": "Hello"}], "scoring": {"queries": [yes_no]}}
+        assert httpx.post(f"{url}/v1/score", json=asked, headers=key, timeout=120).status_code == 200
         answer = first.result()
         assert answer.status_code == 200, answer.text
         trace = Path(answer.json()["trace_dir"])
-        assert trace.parent == tmp_path and answer.json()["seconds"] >= 3
+        assert trace.parent == tmp_path and answer.json()["seconds"] >= 1.5
         assert list(trace.glob("plugins/profile/*/perfetto_trace.json.gz"))
     with TestClient(create_app(Settings(MODEL, packs={}), engine)) as client:
         loaded(client)  # not left loading when the test ends

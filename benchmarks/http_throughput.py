@@ -58,7 +58,7 @@ from common import (
     served_shape_config,
     write_articles,
 )
-from pass_profile import device_kernels, summarize
+from pass_profile import device_kernels, span_seconds, summarize
 from pass_profile import table as kernel_table
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import start_server, stop_server, wait_compiled, wait_ready
@@ -195,7 +195,7 @@ def served_profile(trace_dir: Path, part: str, out: Path) -> dict:
     kernels = device_kernels(trace_dir)
     if not kernels:
         raise RuntimeError(f"no GPU kernels in the served trace {trace_dir}: this profiles a GPU server")
-    summary = summarize(kernels, (max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)) / 1e6)
+    summary = summarize(kernels, span_seconds(kernels))
     text = kernel_table(summary, f"served, {part}: the trace's span")
     (out / "served_profile.md").write_text(text + "\n")
     shutil.rmtree(trace_dir)
@@ -477,12 +477,12 @@ def main() -> None:
 
         def measure(name: str, bodies: list[dict], clients: int, questions_of=questions_in) -> None:
             before = server_counters(url)
-            profiled = None
-            if args.profile_part and args.profile_part in name and not results.get("served_profile"):
-                profiled = ThreadPoolExecutor(1).submit(profile_server, url, args.seconds)
-            row = driver.run(bodies, clients, args.seconds, questions_of)
-            if profiled:
-                results["served_profile"] = served_profile(profiled.result(), name, out)
+            wanted = args.profile_part and args.profile_part in name and not results.get("served_profile")
+            with ThreadPoolExecutor(1) as pool:
+                profiled = pool.submit(profile_server, url, args.seconds) if wanted else None
+                row = driver.run(bodies, clients, args.seconds, questions_of)
+                if profiled:
+                    results["served_profile"] = served_profile(profiled.result(), name, out)
             row |= between(before, server_counters(url), row, results["server_pass_seconds"])
             row["mfu"] = mfu(row, params, results)
             results["rows"][name] = row

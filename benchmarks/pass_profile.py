@@ -161,6 +161,11 @@ def scope_table(rows: list[dict]) -> str:
 GAP_BINS = ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf")))
 
 
+def span_seconds(kernels: list[tuple[str, float, float]]) -> float:
+    """From the first kernel's start to the last one's end."""
+    return (max(start + dur for _, start, dur in kernels) - min(start for _, start, _ in kernels)) / 1e6
+
+
 def gaps(kernels: list[tuple[str, float, float]]) -> dict:
     """The device's idle time between its first and last kernel, by GAP_BINS, and the kernels that the
     longer gaps (≥ 5 µs) came before: where the device waited for the host."""
@@ -177,9 +182,8 @@ def gaps(kernels: list[tuple[str, float, float]]) -> dict:
                 before[name][0] += 1
                 before[name][1] += idle / 1e6
         end = max(end or 0.0, start + dur)
-    first = min(start for _, start, _ in kernels)
     return {
-        "span_s": (end - first) / 1e6,
+        "span_s": span_seconds(kernels),
         "bins": {k: {"count": c, "seconds": s} for k, (c, s) in bins.items()},
         "before": sorted(
             ({"kernel": k, "count": c, "seconds": s} for k, (c, s) in before.items()),

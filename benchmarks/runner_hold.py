@@ -28,8 +28,8 @@ from http_throughput import article_bodies
 from spinf_jax.engine import Engine
 from spinf_jax.loader import random_model
 from spinf_jax.packer import Buckets, cut
+from spinf_jax.runner import Runner
 from spinf_jax.scoring import Scorer
-from spinf_jax.server.runner import Runner
 
 
 class SimulatedDevice:

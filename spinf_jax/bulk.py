@@ -17,12 +17,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
 from spinf_jax import api
+from spinf_jax.runner import Runner
 
 Backend = Callable[[dict], api.ScoreResponse]  # an `inputs` request body → its response
 _INPUT_PARAM = re.compile(r"^inputs\[(\d+)\]")
@@ -131,6 +133,8 @@ def run(
         while asked:
             asked.popleft().result().write(sink, summary, progress)
     summary.seconds = time.perf_counter() - start
+    # By line number: with batches in flight, a line the API refused is known only when its batch is written.
+    summary.bad.sort(key=lambda why: int(why.split(":")[0].removeprefix("line ")))
     return summary
 
 
@@ -182,14 +186,30 @@ def score_batch(pending, template: dict, backend: Backend, into: Batch | None = 
     return into
 
 
-def in_process(scorer) -> Backend:
-    """A Backend over a spinf_jax.scoring.Scorer."""
+def in_process(scorer, runner=None) -> Backend:
+    """A Backend over a spinf_jax.scoring.Scorer. Through `runner` (a spinf_jax.runner.Runner over the
+    scorer's engine, as the server's), several batches in flight (`run`'s in_flight) keep the device busy:
+    while one batch's passes run, the caller's threads plan the next, which the runner launches behind them,
+    and its finisher threads answer the last. Without one, each call plans, scores and finishes in turn."""
 
     def score(body: dict) -> api.ScoreResponse:
         plan = scorer.plan(body)
-        return scorer.finish(plan, scorer.engine.score_trees(plan.trees))
+        if runner is None:
+            return scorer.finish(plan, scorer.engine.score_trees(plan.trees))
+        return runner.submit(plan, scorer.finish).result()
 
     return score
+
+
+@contextmanager
+def pipelined(scorer) -> Iterator[Backend]:
+    """`in_process` through a Runner of its own (the server's batching), closed on leaving: for `run` with
+    in_flight ≥ 2."""
+    runner = Runner(scorer.engine)
+    try:
+        yield in_process(scorer, runner)
+    finally:
+        runner.close()
 
 
 def count_lines(path: Path) -> int:

@@ -3,6 +3,7 @@
 import argparse
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 
@@ -294,25 +295,23 @@ def _score(args) -> int:
         return _score_on_ray(args, source, out, template)
     if args.devices:
         return _score_on_replicas(args, source, out, template)
-    if args.in_flight is not None and not args.url:
-        print("spinf-jax score: --in-flight: only with --url or --devices (one engine scores one batch at a "
-              "time)", file=sys.stderr)  # fmt: skip
-        return 2
     if args.url:
         from spinf_jax.client import Client
 
         if args.model:
             template["model"] = args.model
-        backend = Client(args.url, args.api_key).score
+        # One batch in flight unless told: the server gathers what its other clients send.
+        backend, in_flight = nullcontext(Client(args.url, args.api_key).score), args.in_flight or 1
     else:
         from spinf_jax.packs.loader import load_packs
         from spinf_jax.service import Service
 
         packs = load_packs(args.packs, official=not args.no_official_packs)
         service = Service.load(args.model, args.precision, buckets=args.buckets, packs=packs)
-        backend = bulk.in_process(service.scorer)
-    with tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
-        summary = bulk.run(source, out, template, backend, args.batch, bar, args.in_flight or 1)
+        # Two batches in flight: one planned while the other's passes run (bulk.pipelined).
+        backend, in_flight = bulk.pipelined(service.scorer), args.in_flight or 2
+    with backend as score, tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
+        summary = bulk.run(source, out, template, score, args.batch, bar, in_flight)
     bulk.report(summary)
     return 0
 
@@ -573,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         "--in-flight",
         type=int,
         metavar="N",
-        help="batches asked at once, written in input order (default 1; with --devices, 2 per device)",
+        help="batches asked at once, written in input order (default: 2 in process, one planned while the "
+        "other runs; 1 with --url; 2 per device with --devices)",
     )
     _pack_sources(p)
     p.set_defaults(run=_score)

@@ -13,10 +13,10 @@ import uvicorn
 from litestar.testing import TestClient
 
 from spinf_jax.errors import ScoringError
+from spinf_jax.runner import Runner
 from spinf_jax.server import app as app_module
 from spinf_jax.server import protocol
 from spinf_jax.server.app import Settings, create_app
-from spinf_jax.server.runner import Runner
 from tests.serving import loaded
 
 BODY = {

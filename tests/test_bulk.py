@@ -4,6 +4,7 @@ results flushed per batch, and a restart that skips exactly what is done for the
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -46,6 +47,17 @@ def test_in_process_skips_bad_lines_and_resumes(gemma_engine, tmp_path):
     assert [r["input_id"] for r in rows] == ["a", "b", "c", "d"]
     alone = scorer.score({"messages": [{"content": "Where is my parcel?"}], "scoring": {"queries": [QUERY]}})
     assert rows[2]["queries"] == alone["results"][0]["queries"]  # bits: as asked alone
+
+    # The command's backend (bulk.pipelined): batches in flight, planned while others run and batched by the
+    # server's runner, write the same lines, bit for bit, and the same bad ones; leaving stops its threads.
+    threads = {t.name for t in threading.enumerate()}
+    with bulk.pipelined(scorer) as backend:
+        assert "spinf-engine" in {t.name for t in threading.enumerate()} - threads
+        piped = bulk.run(source, tmp_path / "piped.jsonl", TEMPLATE, backend, batch=1, in_flight=3)
+    assert (tmp_path / "piped.jsonl").read_text() == out.read_text()
+    assert (piped.scored, piped.bad) == (summary.scored, summary.bad)
+    runner = ("spinf-engine", "spinf-wait", "spinf-finish")
+    assert not [t for t in threading.enumerate() if t.name.startswith(runner) and t.is_alive()]
 
     # A restart after a torn last line: the complete lines are skipped, the torn one is scored again.
     out.write_text(out.read_text()[:-20])
@@ -91,6 +103,23 @@ def test_the_command_through_a_server_with_a_pack(default_url, tmp_path):
     again = subprocess.run(args, capture_output=True, text=True, timeout=300)  # everything is there
     second = again.stderr
     assert "scored 0 in" in second and "4 already in the output" in second
+
+
+def test_the_command_in_process(gemma_engine, tmp_path, monkeypatch, capsys):
+    """`spinf-jax score` without --url: the model loaded in this process (the session's engine here),
+    batches in flight through its runner, lines in input order, refusals reported by line number."""
+    from spinf_jax.service import Service
+
+    monkeypatch.setattr(Service, "load", lambda *args, **kwargs: Service.over(gemma_engine))
+    source, out, queries = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "q.json"
+    _write_inputs(source)
+    queries.write_text(json.dumps([QUERY]))
+    argv = ["score", str(source), "--out", str(out), "--queries", str(queries), "--batch", "1"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.index("line 2: not JSON") < err.index("line 6: an object") and "scored 5 in" in err
+    ids = [json.loads(line)["input_id"] for line in out.read_text().splitlines()]
+    assert ids == ["a", "b", "too-long", "c", "d"]
 
 
 def test_the_command_needs_questions(tmp_path, capsys):

@@ -13,10 +13,10 @@ from spinf_jax.answers import vocabulary
 from spinf_jax.compiler import Limits
 from spinf_jax.decisions import Decider, Format
 from spinf_jax.errors import CODES, ScoringError
+from spinf_jax.runner import Runner
 from spinf_jax.scoring import Scorer
 from spinf_jax.server import app as app_module
 from spinf_jax.server.app import Server, Settings, create_app
-from spinf_jax.server.runner import Runner
 from tests import engines, test_audio, test_media
 from tests.serving import loaded
 

@@ -216,8 +216,6 @@ def test_the_flags_are_checked(tmp_path, capsys):
     source = tmp_path / "in.jsonl"
     source.write_text('{"text": "x"}\n')
     common = ["score", str(source), "--out", str(tmp_path / "o.jsonl"), "--pack", "spinf/reviews"]
-    assert cli.main([*common, "--in-flight", "2"]) == 2
-    assert "--in-flight: only with --url or --devices" in capsys.readouterr().err
     assert cli.main([*common, "--url", "http://x", "--devices", "2"]) == 2
 
 

@@ -27,6 +27,7 @@ from spinf_jax.loader import random_model
 from spinf_jax.packer import Buckets, default_sizes
 from spinf_jax.packs.loader import describe
 from spinf_jax.progress import PROGRESS, Progress, log
+from spinf_jax.runner import QueueFull, Runner
 from spinf_jax.server.auth import ApiKeys
 from spinf_jax.server.errors import (
     EXCEPTION_HANDLERS,
@@ -37,7 +38,6 @@ from spinf_jax.server.errors import (
 )
 from spinf_jax.server.memory import check_fits
 from spinf_jax.server.metrics import DISCONNECTED, UNMATCHED, Metrics
-from spinf_jax.server.runner import QueueFull, Runner
 from spinf_jax.server.settings import Settings
 from spinf_jax.service import Service
 

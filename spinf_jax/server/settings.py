@@ -40,7 +40,7 @@ class Settings:
     metrics_auth: bool = False  # /metrics asks for a key too
     max_queue: int = 64
     max_delay_ms: float = 5.0
-    # A batch gathered while the device was busy may leave its last requests to the next (server.runner):
+    # A batch gathered while the device was busy may leave its last requests to the next (spinf_jax.runner):
     # fewer padding rows, up to one pass more for those requests.
     hold_back: bool = True
     served_names: tuple[str, ...] = ()  # extra names the model answers to (e.g. the hosted service's)

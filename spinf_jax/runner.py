@@ -133,10 +133,14 @@ class Runner:
         self._queue.put(None)
         self._thread.join(timeout=60)
         if not self._thread.is_alive():  # else it may still launch its last batch
-            # The waiter reads the batches still on the device and hands them to the finishers.
-            with contextlib.suppress(TimeoutError):
+            # The waiter reads the batches still on the device and hands them to the finishers; its thread
+            # is left behind only where the device does not answer.
+            try:
                 self._waiter.submit(lambda: None).result(timeout=60)
-            self._waiter.shutdown(wait=False)
+            except TimeoutError:
+                self._waiter.shutdown(wait=False)
+            else:
+                self._waiter.shutdown(wait=True)
             self._finishers.shutdown(wait=True)
         stopping = ScoringError("shutting_down", "the server is stopping; retry shortly")
         for _, _, ticket in self._held if self._thread.is_alive() else []:  # held, never launched

@@ -11,6 +11,9 @@ closed-loop clients (each posts its next request when its last is answered); a p
 requests answered from its start to its last answer.
 
 - library: `Engine.score` on the seed job (24 articles × 56 two-option questions) as one call, repeated.
+- inprocess: `spinf-jax score`'s in-process path (bulk.run, batches of 64) over --bulk-articles articles
+  with the library's engine: one batch at a time (bulk.in_process, the old path), then two in flight
+  through a runner (bulk.pipelined, the command's default); both must write the same bytes.
 - job: the seed job as one request. articles: one request per article, at each of --clients.
 - article: one article asked 74 questions (the seed job's 56, and 18 of them asked again as "Question: ...").
 - pack: the moderation pack, 32 clients, 32 messages a request (the pack's synthetic data); and a message
@@ -44,6 +47,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
@@ -63,12 +67,14 @@ from pass_profile import table as kernel_table
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import start_server, stop_server, wait_compiled, wait_ready
 
+from spinf_jax import bulk as bulk_scoring
 from spinf_jax.engine import Engine, use_compilation_cache
 from spinf_jax.loader import random_model
 from spinf_jax.packer import Buckets
 from spinf_jax.packs.loader import OFFICIAL
+from spinf_jax.scoring import Scorer
 
-PARTS = ("library", "job", "articles", "article", "pack", "bulk", "baselines")
+PARTS = ("library", "inprocess", "job", "articles", "article", "pack", "bulk", "baselines")
 PACK = "spinf/moderation"
 
 
@@ -321,6 +327,33 @@ def bulk(url: str, job: dict, articles: int, out: Path) -> dict:
     }
 
 
+def in_process(engine: Engine, job: dict, articles: int, out: Path) -> dict[int, dict]:
+    """The bulk command's in-process path over `articles` articles, by batches in flight (1: one batch
+    planned, scored and finished at a time, the old path; 2: through a runner, the command's default)."""
+    contents = write_articles(job, articles, out / "bulk-input.jsonl")
+    template = {"scoring": {"queries": job["questions"]}}
+    scorer = Scorer(engine)
+    rows, written = {}, {}
+    for in_flight in (1, 2):
+        results = out / f"bulk-in-process-{in_flight}.jsonl"
+        results.unlink(missing_ok=True)
+        backend = (
+            bulk_scoring.pipelined(scorer) if in_flight > 1 else nullcontext(bulk_scoring.in_process(scorer))
+        )
+        with backend as score:
+            summary = bulk_scoring.run(contents, results, template, score, 64, None, in_flight)
+        written[in_flight] = results.read_bytes()
+        rows[in_flight] = {
+            "in_flight": in_flight,
+            "articles": summary.scored,
+            "seconds": summary.seconds,
+            "questions_per_second": summary.scored * len(job["questions"]) / summary.seconds,
+            "tokens_per_second": summary.prompt_tokens / summary.seconds,  # floors included, once
+            "same_bytes_as_one_in_flight": written[in_flight] == written[1],
+        }
+    return rows
+
+
 def baselines(tokenizer: Path, config: dict, job: dict, a_articles: int, peaks: dict) -> dict:
     """transformers A and B on the seed job (benchmarks/gpu_baselines.py), bf16 SDPA, the same shape."""
     import torch
@@ -437,6 +470,12 @@ def main() -> None:
         }
         save(results, out)
         print("library", library_row, flush=True)
+    if "inprocess" in parts:
+        for in_flight, row in in_process(engine, job, args.bulk_articles, out).items():
+            name = f"bulk command in process, {in_flight} batch(es) in flight"
+            results["rows"][name] = row | {"mfu": mfu(row, params, results)}
+            save(results, out)
+            print(name, row, flush=True)
     del engine, model
 
     serve = [

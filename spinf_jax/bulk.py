@@ -205,7 +205,8 @@ def in_process(scorer, runner=None) -> Backend:
 def pipelined(scorer) -> Iterator[Backend]:
     """`in_process` through a Runner of its own (the server's batching), closed on leaving: for `run` with
     in_flight ≥ 2."""
-    runner = Runner(scorer.engine)
+    # No queue limit: the caller's in_flight bounds what waits (a server's is for clients it cannot see).
+    runner = Runner(scorer.engine, max_queue=sys.maxsize)
     try:
         yield in_process(scorer, runner)
     finally:

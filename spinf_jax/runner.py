@@ -90,6 +90,7 @@ class Runner:
         self._device_free = 0.0  # when the device finished the last batch (perf_counter; the waiter's)
         self._closed = False
         self._lock = threading.Lock()
+        self._launching = threading.Lock()  # held by the engine thread through a launch, and by quiet()
         # Responses are built here, off the engine thread: it only gathers, cuts and launches batches.
         self._finishers = ThreadPoolExecutor(FINISHERS, thread_name_prefix="spinf-finish")
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="spinf-wait")  # see _finish
@@ -124,6 +125,16 @@ class Runner:
             self._tokens_left += ticket.tokens
         self._queue.put((plan, finish, ticket))
         return ticket
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """No launch starts inside this, and every batch launched before it has been run and read: the device
+        is idle. For what must not overlap device work from another thread: starting or stopping the JAX
+        profiler while a pass was being launched crashed the server (a segfault, or a pass failing with
+        JaxRuntimeError) on an H100, 2026-12-06. Requests queue meanwhile."""
+        with self._launching:
+            self._waiter.submit(lambda: None).result()  # the waiter reads batches in launch order
+            yield
 
     def close(self) -> None:
         """Stop after the queued work: what was accepted is answered (or fails with shutting_down if the
@@ -241,15 +252,17 @@ class Runner:
         return batch[:n], batch[n:], cuts
 
     def _launch(self, batch: list[tuple[Any, Finish, Ticket]], cuts, behind) -> _OnDevice | None:
-        start = time.perf_counter()
-        try:
-            handle = self.engine.launch([tree for plan, _, _ in batch for tree in plan.trees], cuts, behind)
-        except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
-            self._answer(batch, exc, start, time.perf_counter())
-            return None
-        on_device = _OnDevice(handle, threading.Event())
-        self._waiter.submit(self._finish, batch, on_device, start)
-        return on_device
+        with self._launching:
+            start = time.perf_counter()
+            try:
+                trees = [tree for plan, _, _ in batch for tree in plan.trees]
+                handle = self.engine.launch(trees, cuts, behind)
+            except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
+                self._answer(batch, exc, start, time.perf_counter())
+                return None
+            on_device = _OnDevice(handle, threading.Event())
+            self._waiter.submit(self._finish, batch, on_device, start)
+            return on_device
 
     def _finish(self, batch: list[tuple[Any, Finish, Ticket]], on_device: _OnDevice, start: float) -> None:
         """On the waiter thread, one batch after another: tell the engine thread when the device is on the

@@ -78,6 +78,34 @@ def test_retry_after_is_the_queue_over_the_measured_rate():
     assert runner.retry_after() == 1  # nothing left
 
 
+def test_quiet_waits_for_the_device_and_holds_launches_back():
+    """Runner.quiet (what the profiler starts and stops in): entered only once the batch on the device has
+    run and been read; no batch is launched inside it; what queued meanwhile runs after it."""
+    runner, engine = _runner()
+    first = _submit(runner, 100)
+    time.sleep(0.2)  # launched: on the "device" until the gate opens
+    entered, leave, seen = threading.Event(), threading.Event(), []
+
+    def profile():
+        with runner.quiet():
+            entered.set()
+            seen.append(len(engine.scored))
+            leave.wait()
+
+    thread = threading.Thread(target=profile)
+    thread.start()
+    assert not entered.wait(0.3)  # the device is busy
+    engine.gate.set()
+    assert entered.wait(10) and seen == [1] and first.result(timeout=10) == [100]
+    second = _submit(runner, 50)
+    time.sleep(0.3)
+    assert not second.done() and len(engine.scored) == 1  # not launched while quiet
+    leave.set()
+    assert second.result(timeout=10) == [50]
+    thread.join(timeout=10)
+    runner.close()
+
+
 def test_a_cancelled_request_is_dropped_before_its_pass():
     runner, engine = _runner()
     first = _submit(runner, 10)  # the engine thread takes it and waits at the gate

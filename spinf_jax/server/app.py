@@ -2,6 +2,7 @@
 on worker threads and scored by the engine thread (runner.Runner); handlers only await futures."""
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -332,15 +333,23 @@ async def profile(request: Request, data: JSONBody[api.ProfileRequest]) -> api.P
         # Replicas (serve --devices) share the folder: each names its traces by its process.
         folder = server.settings.profile_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         start = time.perf_counter()
-        await anyio.to_thread.run_sync(_trace, folder, data.seconds)
+        await anyio.to_thread.run_sync(_trace, folder, data.seconds, server.runner)
         return api.ProfileResult(trace_dir=str(folder), seconds=round(time.perf_counter() - start, 3))
     finally:
         server.profiling.release()
 
 
-def _trace(folder, seconds: float) -> None:
-    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+def _trace(folder, seconds: float, runner: Runner | None) -> None:
+    """The profiler starts and stops with the device idle (Runner.quiet): its start, meeting a launch on
+    the engine thread, crashed the server on a GPU. The device waits a pass or two at each end for it."""
+    quiet = runner.quiet if runner else contextlib.nullcontext
+    with quiet():
+        jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
+    try:
         time.sleep(seconds)
+    finally:
+        with quiet():
+            jax.profiler.stop_trace()
 
 
 @get(

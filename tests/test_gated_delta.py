@@ -15,15 +15,15 @@ from spinf_jax.packer import Buckets, pack
 
 def _inputs(seed: int, t: int, h: int = 2, dk: int = 16, dv: int = 8):
     """Tokens as Qwen3.5's layer hands them over: q and k L2-normalised (q scaled), g ≤ 0, β in (0, 1)."""
-    keys = jax.random.split(jax.random.key(seed), 6)
-    q, k = (jax.random.normal(key, (t, h, dk)) for key in keys[:2])
-    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True) * dk**-0.5
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jax.random.normal(keys[2], (t, h, dv))
-    g = -jax.nn.softplus(jax.random.normal(keys[3], (t, h)))
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (t, h)))
-    state = jax.random.normal(keys[5], (h, dk, dv))
-    return q, k, v, g, beta, state
+    draws = np.random.default_rng(seed)  # numpy's: jax.random would compile a program per shape
+    q, k, v, g, beta, state = (
+        draws.standard_normal(shape, np.float32)
+        for shape in ((t, h, dk), (t, h, dk), (t, h, dv), (t, h), (t, h), (h, dk, dv))
+    )
+    q = q / np.linalg.norm(q, axis=-1, keepdims=True) * np.float32(dk**-0.5)
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    g, beta = -np.logaddexp(np.float32(0), g), 1 / (1 + np.exp(-beta))  # softplus and sigmoid
+    return tuple(map(jnp.asarray, (q, k, v, g, beta, state)))
 
 
 T = 40

@@ -133,7 +133,8 @@ class Runner:
         profiler while a pass was being launched crashed the server (a segfault, or a pass failing with
         JaxRuntimeError) on an H100, 2026-12-06. Requests queue meanwhile."""
         with self._launching:
-            self._waiter.submit(lambda: None).result()  # the waiter reads batches in launch order
+            with contextlib.suppress(RuntimeError):  # closed: its waiter has read every batch
+                self._waiter.submit(lambda: None).result()  # the waiter reads batches in launch order
             yield
 
     def close(self) -> None:

@@ -104,6 +104,8 @@ def test_quiet_waits_for_the_device_and_holds_launches_back():
     assert second.result(timeout=10) == [50]
     thread.join(timeout=10)
     runner.close()
+    with runner.quiet():  # a profile that ends after shutdown
+        pass
 
 
 def test_a_cancelled_request_is_dropped_before_its_pass():

@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels import decode_attention_mosaic
 from pallas_kernels.decode_attention import blockwise, kernel, reference
+from tests.draws import normals
 
 T, S, HEADS, KV = 128, 6, 4, 2
 # Slots as (tree start, trunk end, template start, slot end) in a pass of T rows; the last is a padding group.
@@ -20,19 +21,14 @@ PLACES = [(0, 37, 40, 45), (0, 37, 45, 71), (64, 70, 72, 73), (0, 0, 0, 0)]
 
 def _step(places, width, step, d=16, seed=0, dtype=jnp.float32):
     g, r = len(places), len(places) * width
-    draws = np.random.default_rng((seed, 1))  # numpy's: jax.random would compile a program per shape
-    normal = lambda shape: jnp.asarray(draws.standard_normal(shape, np.float32)).astype(dtype)  # noqa: E731
+    rows, cache, slots = (r, KV, d), (T, KV, d), (g, S, width, KV, d)
+    # q, k, v of the rows decoded now; the pass's cached k, v; k, v of the slots' earlier steps (history)
+    drawn = normals((seed, 1), (r, HEADS, d), rows, rows, cache, cache, slots, slots)
     start, trunk_end, branch, slot_end = (jnp.array(x, jnp.int32) for x in zip(*places, strict=True))
     first = trunk_end - start + slot_end - branch  # the first decoded token's position
     rng = np.random.default_rng(seed)
     return (
-        normal((r, HEADS, d)),
-        normal((r, KV, d)),
-        normal((r, KV, d)),
-        normal((T, KV, d)),
-        normal((T, KV, d)),
-        normal((g, S, width, KV, d)),
-        normal((g, S, width, KV, d)),
+        *(jnp.asarray(x).astype(dtype) for x in drawn),
         jnp.repeat(first + step, width),
         start,
         trunk_end,

@@ -11,15 +11,12 @@ import pytest
 from pallas_kernels.gated_delta import chunked, recurrent, tree_chunked
 from spinf_jax.layout import Extract, QuestionKey, build_tree
 from spinf_jax.packer import Buckets, pack
+from tests.draws import normals
 
 
 def _inputs(seed: int, t: int, h: int = 2, dk: int = 16, dv: int = 8):
     """Tokens as Qwen3.5's layer hands them over: q and k L2-normalised (q scaled), g ≤ 0, β in (0, 1)."""
-    draws = np.random.default_rng(seed)  # numpy's: jax.random would compile a program per shape
-    q, k, v, g, beta, state = (
-        draws.standard_normal(shape, np.float32)
-        for shape in ((t, h, dk), (t, h, dk), (t, h, dv), (t, h), (t, h), (h, dk, dv))
-    )
+    q, k, v, g, beta, state = normals(seed, (t, h, dk), (t, h, dk), (t, h, dv), (t, h), (t, h), (h, dk, dv))
     q = q / np.linalg.norm(q, axis=-1, keepdims=True) * np.float32(dk**-0.5)
     k = k / np.linalg.norm(k, axis=-1, keepdims=True)
     g, beta = -np.logaddexp(np.float32(0), g), 1 / (1 + np.exp(-beta))  # softplus and sigmoid

@@ -11,14 +11,12 @@ from pallas_kernels import tree_attention_mosaic
 from pallas_kernels.late_map import late_map
 from pallas_kernels.tree_attention import BRANCH_BLOCK, blockwise, kernel, reference, tree_mask
 from spinf_jax.layout import QuestionKey, Tree, build_tree
+from tests.draws import normals
 from tests.trees import lay_out
 
 
 def _qkv(t, h=4, k=2, d=16, seed=0):
-    draws = np.random.default_rng(seed)  # numpy's: jax.random would compile a program per shape
-    return tuple(
-        jnp.asarray(draws.standard_normal(shape, np.float32)) for shape in ((t, h, d), (t, k, d), (t, k, d))
-    )
+    return tuple(map(jnp.asarray, normals(seed, (t, h, d), (t, k, d), (t, k, d))))
 
 
 def _causal(q, k, v, window=None):

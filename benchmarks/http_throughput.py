@@ -186,27 +186,30 @@ def server_counters(url: str) -> tuple[dict[int, float], float]:
     return passes, busy
 
 
-def profile_server(url: str, seconds: float) -> Path:
-    """The server's trace of the middle half of a part `seconds` long (POST /v1/admin/profile); its folder."""
+def profile_server(url: str, seconds: float) -> dict:
+    """The server's trace of the middle half of a part `seconds` long: POST /v1/admin/profile's answer (its
+    folder, and how long the profile held passes back)."""
     time.sleep(seconds / 4)
     response = httpx.post(f"{url}/v1/admin/profile", json={"seconds": seconds / 2}, timeout=seconds + 600)
     response.raise_for_status()
-    return Path(response.json()["trace_dir"])
+    return response.json()
 
 
-def served_profile(trace_dir: Path, part: str, out: Path) -> dict:
+def served_profile(answer: dict, part: str, out: Path) -> dict:
     """pass_profile's tables of a served trace: kernels by class, the longest, and the device's idle
     stretches between them (the host launching, planning, reading results). Written to served_profile.md;
     the raw trace (tens of MB) is removed."""
+    trace_dir = Path(answer["trace_dir"])
     kernels = device_kernels(trace_dir)
     if not kernels:
         raise RuntimeError(f"no GPU kernels in the served trace {trace_dir}: this profiles a GPU server")
     summary = summarize(kernels, span_seconds(kernels))
-    text = kernel_table(summary, f"served, {part}: the trace's span")
+    held = f"The profile held passes back {answer['held_seconds']} s (POST /v1/admin/profile's held_seconds)."
+    text = kernel_table(summary, f"served, {part}: the trace's span") + "\n\n" + held
     (out / "served_profile.md").write_text(text + "\n")
     shutil.rmtree(trace_dir)
     print(text, flush=True)
-    return summary | {"part": part}
+    return summary | {"part": part, "held_seconds": answer["held_seconds"]}
 
 
 def between(before: tuple, after: tuple, row: dict, pass_seconds: dict[int, float]) -> dict:
@@ -468,8 +471,12 @@ def main() -> None:
         results["rows"]["library: seed job, one call"] = library_row | {
             "mfu": mfu(library_row, params, results)
         }
+        # The library process's peak: weights, every bucket's passes, and the GEMM peaks' 8192² operands.
+        results["library_peak_device_gib"] = (jax.devices()[0].memory_stats() or {}).get(
+            "peak_bytes_in_use", 0
+        ) / 2**30
         save(results, out)
-        print("library", library_row, flush=True)
+        print("library", library_row, "peak device GiB", results["library_peak_device_gib"], flush=True)
     if "inprocess" in parts:
         for in_flight, row in in_process(engine, job, args.bulk_articles, out).items():
             name = f"bulk command in process, {in_flight} batch(es) in flight"

@@ -55,7 +55,7 @@ def bits_digest(engine, trees) -> str:
 def host_events(engine, p, repeats: int) -> dict:
     """Host events inside traced launches, by name: calls and milliseconds per launch."""
     folder = Path(tempfile.mkdtemp())
-    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+    with jax.profiler.trace(str(folder)):
         for i in range(repeats):
             with jax.profiler.TraceAnnotation(f"launch-{i}"):
                 outputs = engine._launch_pass(p)

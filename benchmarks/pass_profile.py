@@ -47,9 +47,9 @@ def kernel_class(name: str) -> str:
 
 
 def trace_events(trace_dir: Path) -> tuple[list[dict], set[int]]:
-    """The events of the newest perfetto trace that jax.profiler.trace wrote in the folder, and the ids of
-    its GPU processes."""
-    [trace] = sorted(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"))[-1:]
+    """The events of the newest trace the JAX profiler wrote in the folder (Chrome trace events), and the ids
+    of its GPU processes."""
+    [trace] = sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))[-1:]
     with gzip.open(trace) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -260,7 +260,7 @@ def main() -> None:
     engine, request = warm_seed_engine(args)  # the traced calls score contents only
     engine.score(request)
     trace_dir = Path(tempfile.mkdtemp())  # the raw trace is large: only the summary is kept
-    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+    with jax.profiler.trace(str(trace_dir)):
         start = time.perf_counter()
         for _ in range(args.repeats):
             engine.score(request)

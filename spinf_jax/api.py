@@ -624,11 +624,18 @@ class ProfileResult(Struct, kw_only=True):
     trace_dir: Annotated[
         str,
         Meta(
-            description="the folder on the server's machine holding the trace: XProf/TensorBoard read it, "
-            "and Perfetto its plugins/profile/*/perfetto_trace.json.gz"
+            description="the folder on the server's machine holding the trace: XProf/TensorBoard read it; "
+            "plugins/profile/*/*.trace.json.gz has its Chrome trace events"
         ),
     ]
-    seconds: Annotated[float, Meta(description="how long it traced")]
+    seconds: Annotated[float, Meta(description="how long the profiler was on")]
+    held_seconds: Annotated[
+        float,
+        Meta(
+            description="how long no pass was launched because of the profile: the waits for the device to "
+            "finish its batch before the profiler turned on and off, and the turning"
+        ),
+    ]
 
 
 ErrorType = Literal[

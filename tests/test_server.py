@@ -427,7 +427,10 @@ def test_a_profile_traces_the_server_while_it_serves(engine, tmp_path):
         assert answer.status_code == 200, answer.text
         trace = Path(answer.json()["trace_dir"])
         assert trace.parent == tmp_path and answer.json()["seconds"] >= 1.5
-        assert list(trace.glob("plugins/profile/*/perfetto_trace.json.gz"))
+        assert 0 <= answer.json()["held_seconds"] < answer.json()["seconds"]
+        assert list(trace.glob("plugins/profile/*/*.trace.json.gz")) and list(
+            trace.glob("plugins/profile/*/*.xplane.pb")
+        )
     with TestClient(create_app(Settings(MODEL, packs={}), engine)) as client:
         loaded(client)  # not left loading when the test ends
         off = client.post("/v1/admin/profile", json={})

@@ -29,6 +29,7 @@ from spinf_jax.packer import Buckets, default_sizes
 from spinf_jax.packs.loader import describe
 from spinf_jax.progress import PROGRESS, Progress, log
 from spinf_jax.runner import QueueFull, Runner
+from spinf_jax.server import profiling
 from spinf_jax.server.auth import ApiKeys
 from spinf_jax.server.errors import (
     EXCEPTION_HANDLERS,
@@ -332,24 +333,13 @@ async def profile(request: Request, data: JSONBody[api.ProfileRequest]) -> api.P
     try:
         # Replicas (serve --devices) share the folder: each names its traces by its process.
         folder = server.settings.profile_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        start = time.perf_counter()
-        await anyio.to_thread.run_sync(_trace, folder, data.seconds, server.runner)
-        return api.ProfileResult(trace_dir=str(folder), seconds=round(time.perf_counter() - start, 3))
+        quiet = server.runner.quiet if server.runner else contextlib.nullcontext
+        traced = await anyio.to_thread.run_sync(profiling.trace, folder, data.seconds, quiet)
+        return api.ProfileResult(
+            trace_dir=str(folder), seconds=round(traced.seconds, 3), held_seconds=round(traced.held, 3)
+        )
     finally:
         server.profiling.release()
-
-
-def _trace(folder, seconds: float, runner: Runner | None) -> None:
-    """The profiler starts and stops with the device idle (Runner.quiet): its start, meeting a launch on
-    the engine thread, crashed the server on a GPU. The device waits a pass or two at each end for it."""
-    quiet = runner.quiet if runner else contextlib.nullcontext
-    with quiet():
-        jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
-    try:
-        time.sleep(seconds)
-    finally:
-        with quiet():
-            jax.profiler.stop_trace()
 
 
 @get(

@@ -29,8 +29,9 @@ from spinf_jax.scoring import Scorer
 ALIGNMENTS = (16, 32, 64, 128)
 SETS = {
     "4,096 + 16,384 (http runs 1-10)": (4096, 16384),
-    "powers of two (the GPU default before)": (2048, 4096, 8192, 16384),
-    "every 2,048 (the GPU default now)": tuple(range(2048, 16384 + 1, 2048)),
+    "powers of two (the GPU default until 2026-12-05)": (2048, 4096, 8192, 16384),
+    "every 2,048 from 2,048 (the GPU default until 2026-12-06)": tuple(range(2048, 16384 + 1, 2048)),
+    "every 2,048 from 4,096 (the GPU default now)": tuple(range(4096, 16384 + 1, 2048)),
 }
 
 

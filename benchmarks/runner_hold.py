@@ -112,7 +112,7 @@ def main() -> None:
     seconds = {int(size): s for size, s in measured["library_pass_seconds"].items()}
     (out / "small.json").write_text(json.dumps(SMALL))
     model = random_model(out / "small.json", args.tokenizer, "fp32")
-    scorer = Scorer(Engine(model, Buckets((2048, 4096), block=64)))
+    scorer = Scorer(Engine(model, Buckets((4096, 8192), block=64)))
     job = seed_job()
     scorer.score(
         seed_request(job)

@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
 
     job = seed_job()
-    engine = Engine.load(args.model, args.precision, buckets=Buckets((2048, 4096, 8192, 16384)))
+    engine = Engine.load(args.model, args.precision, buckets=Buckets((4096, 8192, 16384)))
     tok = engine.model.tokenizer
     request = seed_request(job)
 

@@ -82,10 +82,10 @@ def test_scores_bit_identical_across_packing_buckets_and_companions(family, prec
     content = rng.integers(5, 500, 300).tolist()
     target = build_tree([2], content, POOL)
     others = [build_tree([2], rng.integers(5, 500, 100 + 57 * i).tolist(), POOL[i:]) for i in range(6)]
-    engine = Engine(model, Buckets((2048, 4096)))
+    engine = Engine(model, Buckets((4096, 8192)))
     alone = engine.score_trees([target])[0]
     packed = engine.score_trees([*others, target])[-1].logprobs
-    bigger = Engine(model, Buckets((4096,))).score_trees([target])[0].logprobs
+    bigger = Engine(model, Buckets((8192,))).score_trees([target])[0].logprobs
     # The GPUs' 64-row block (packer.default_block) gives the bits of 128-row blocks: the kernel counts its
     # key tiles from the tree's first row, not from the block.
     in_128 = Engine(model, Buckets((4096,), block=128)).score_trees([*others[:3], target])[-1].logprobs

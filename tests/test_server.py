@@ -427,7 +427,8 @@ def test_a_profile_traces_the_server_while_it_serves(engine, tmp_path):
         assert answer.status_code == 200, answer.text
         trace = Path(answer.json()["trace_dir"])
         assert trace.parent == tmp_path and answer.json()["seconds"] >= 1.5
-        assert 0 <= answer.json()["held_seconds"] < answer.json()["seconds"]
+        # the hold waits for the pass on the device (the score request's, here): it may outlast the trace
+        assert answer.json()["held_seconds"] >= 0
         assert list(trace.glob("plugins/profile/*/*.trace.json.gz")) and list(
             trace.glob("plugins/profile/*/*.xplane.pb")
         )

@@ -34,18 +34,18 @@ def default_sizes() -> tuple[int, ...]:
     rows with BOS, 4,224 aligned) with its questions. On the CPU a 16k-token pass takes minutes: 6,144 is the
     largest there, and small buckets keep single requests responsive.
 
-    On GPUs every 2,048 rows from 4,096 (two of the GPUs' row tiles, loader.default_row_tile): a pass's rows
-    cost time whether trees fill them or not. A lone small request's pass takes 0.110 s at 4,096 rows, where
-    2,048 rows in 1,024-row tiles took 0.062 s (12B shape, H100, 2026-12-06): the bigger tiles buy bulk
-    throughput with that latency. With powers of two the
-    seed job's 24 articles (28,583 tokens) took two passes of 16,384, 87% of their rows useful, and take
-    14,336 + 16,384 (93%); five one-article requests (5,935 tokens) took 8,192 rows and take 6,144
-    (benchmarks/results/bucket_rows-cpu-2026-12-05, counted from the plans). Each size is one more program
-    to compile at start (8.2-9.3 s each cold at the 12B shape on the H200, start_time-h200-2026-12-04),
-    behind the server once its smallest and largest are ready (Engine.warmup)."""
+    On GPUs every 2,048 rows from 4,096, two of the GPUs' row tiles (loader.default_row_tile): a pass's rows
+    cost time whether trees fill them or not. With powers of two the seed job's 24 articles (28,583 tokens)
+    took two passes of 16,384, 87% of their rows useful, and take 14,336 + 16,384 (93%); five one-article
+    requests (5,935 tokens) took 8,192 rows and take 6,144 (benchmarks/results/bucket_rows-cpu-2026-12-05,
+    counted from the plans). A lone small request's pass takes 0.110 s at 4,096 rows, where 2,048 rows in
+    1,024-row tiles took 0.062 s (12B shape, H100, 2026-12-06): the bigger tiles buy bulk throughput with
+    that latency. Each size is one more program to compile at start (8.2-9.3 s each cold at the 12B shape on
+    the H200, start_time-h200-2026-12-04), behind the server once its smallest and largest are ready
+    (Engine.warmup)."""
     if jax.default_backend() == "cpu":
         return (256, 1024, 2048, 6144)
-    return tuple(range(4096, 16384 + 1, 2048))  # from 4,096: two of the GPUs' 2,048-row tiles
+    return tuple(range(4096, 16384 + 1, 2048))
 
 
 def default_block() -> int:

@@ -45,12 +45,6 @@ def trace(folder: Path, seconds: float, quiet=contextlib.nullcontext) -> Traced:
     session.export(xspace, str(folder))
     held = (traced_from - start) + (let_go - stopping)
     traced = Traced(traced_to - traced_from, held, time.perf_counter() - let_go)
-    log(
-        PROGRESS,
-        "profile",
-        folder=str(folder),
-        traced_s=round(traced.seconds, 2),
-        held_s=round(held, 3),
-        written_s=round(traced.written, 2),
-    )
+    log(PROGRESS, "profile", folder=str(folder), traced_s=round(traced.seconds, 2),
+        held_s=round(traced.held, 3), written_s=round(traced.written, 2))  # fmt: skip
     return traced

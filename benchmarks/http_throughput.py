@@ -62,7 +62,7 @@ from common import (
     served_shape_config,
     write_articles,
 )
-from pass_profile import device_kernels, span_seconds, summarize
+from pass_profile import copies_by_neighbour, copies_table, device_kernels, span_seconds, summarize
 from pass_profile import table as kernel_table
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import start_server, stop_server, wait_compiled, wait_ready
@@ -203,9 +203,11 @@ def served_profile(answer: dict, part: str, out: Path) -> dict:
     kernels = device_kernels(trace_dir)
     if not kernels:
         raise RuntimeError(f"no GPU kernels in the served trace {trace_dir}: this profiles a GPU server")
-    summary = summarize(kernels, span_seconds(kernels))
+    summary = summarize(kernels, span_seconds(kernels)) | {"copies": copies_by_neighbour(kernels)}
     held = f"The profile held passes back {answer['held_seconds']} s (POST /v1/admin/profile's held_seconds)."
-    text = kernel_table(summary, f"served, {part}: the trace's span") + "\n\n" + held
+    text = "\n\n".join(
+        [kernel_table(summary, f"served, {part}: the trace's span"), copies_table(summary["copies"]), held]
+    )
     (out / "served_profile.md").write_text(text + "\n")
     shutil.rmtree(trace_dir)
     print(text, flush=True)

@@ -80,6 +80,34 @@ def device_kernels(trace_dir: Path) -> list[tuple[str, float, float]]:
     ]
 
 
+def copies_by_neighbour(kernels: list[tuple[str, float, float]]) -> list[dict]:
+    """The copy-class kernels' time by the last other kernel that started before each (a trace of the server
+    has no line of XLA ops to say which op a copy ran for; its neighbour tells a layer loop's copies from a
+    pass's inputs and from the reads' programs)."""
+    rows: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
+    before = ""
+    for name, _, dur in sorted(kernels, key=lambda k: k[1]):
+        if kernel_class(name) != "copies and gathers":
+            before = name
+            continue
+        row = rows[(name, before)]
+        row[0] += 1
+        row[1] += dur / 1e6
+    return sorted(
+        ({"kernel": k, "after": b, "calls": c, "seconds": s} for (k, b), (c, s) in rows.items()),
+        key=lambda r: -r["seconds"],
+    )
+
+
+def copies_table(rows: list[dict]) -> str:
+    lines = ["| copy kernel | the last other kernel before it | calls | seconds |", "|---|---|---|---|"]
+    lines += [
+        f"| `{r['kernel'][:40]}` | `{r['after'][:60] or '-'}` | {r['calls']} | {r['seconds']:.4f} |"
+        for r in rows[:15]
+    ]
+    return "\n".join(lines)
+
+
 def hlo_labels(hlo: str) -> dict[str, str]:
     """HLO instruction name → where its work comes from in the model: the named scopes (SCOPES, as paths
     such as "mlp/linear/quantize") of the ops fused into it, or where none has a scope, its root's primitive
@@ -268,7 +296,7 @@ def main() -> None:
     kernels = device_kernels(trace_dir)
     if not kernels:
         raise SystemExit("no GPU kernels in the trace: this profiles a GPU run (JAX_PLATFORMS=cuda)")
-    summary = summarize(kernels, wall)
+    summary = summarize(kernels, wall) | {"copies": copies_by_neighbour(kernels)}
     summary |= {"device": jax.devices()[0].device_kind, "buckets": list(engine.buckets.sizes),
                 "precision": args.precision, "repeats": args.repeats}  # fmt: skip
     text = table(summary, f"seed job × {args.repeats}, Gemma 3 12B shape, {args.precision}, random weights")
@@ -277,7 +305,7 @@ def main() -> None:
     for size, hlo in zip(sizes, hlos, strict=True):
         (out / f"hlo-{size}.txt.gz").write_bytes(gzip.compress(hlo.encode()))
     summary["scopes"] = by_scope(summary["kernels"], hlos)
-    text += "\n\n" + scope_table(summary["scopes"])
+    text += "\n\n" + scope_table(summary["scopes"]) + "\n\n" + copies_table(summary["copies"])
     (out / "pass_profile.json").write_text(json.dumps(summary, indent=1))
     (out / "pass_profile.md").write_text(text + "\n")
     print(text)

@@ -272,6 +272,13 @@ class Cuts:
     cost: list[float]
     start_of: list[int]
 
+    def last_seconds(self, end: int) -> float:
+        """The measured seconds of the last of trees[:end]'s cheapest passes; 0 where the buckets' passes were
+        not measured (their costs are rows then)."""
+        if self.buckets.pass_costs is None:
+            return 0.0
+        return self.cost[end] - self.cost[self.start_of[end]]
+
     def passes(self, end: int | None = None) -> list[Pass]:
         """The cheapest passes of trees[:end] (all: None), in order."""
         groups, end = [], len(self.trees) if end is None else end

@@ -1,9 +1,10 @@
 """One thread owns the device. It gathers the trees of concurrent requests into shared passes: with the device
 idle, a request waits for company at most `max_delay` seconds, or until the pending trees fill the largest
 bucket; with a batch on the device, what arrives makes the next batch, which is launched behind the running
-batch's last pass (Engine.launch's `behind`) as soon as the device is on that pass, or once it fills the
-largest bucket and the device gets there: under a steady stream the device goes from batch to batch without
-waiting for the host to cut, pack and launch. (Waiting for the device to be done, for more requests to come,
+batch's last pass (Engine.launch's `behind`) just before the device ends that pass (LAUNCH_LEAD), or once it
+fills the largest bucket and the device is on that pass: under a steady stream the device goes from batch to
+batch without waiting for the host to cut, pack and launch, and the requests that come during the last pass
+still make the next one. (Waiting for the device to be done, for more requests to come,
 left it idle for that host work between every two batches: at 8 clients of one article each on an H100, the
 passes run alone would have taken 85-86% of the wall time; launched behind, 89-90%, and 4.7% more questions a
 second; benchmarks/results, 2026-12-06, twenty-third session.) This thread does nothing but gather, cut and
@@ -32,6 +33,14 @@ from typing import Any
 
 from spinf_jax.errors import ScoringError
 
+# How long before the device should end a batch's last pass the next batch is launched (behind it): what
+# comes until then joins. The host cuts and lays out a batch in a few ms, and the device takes the first
+# kernel of a launch 0.6 ms after it begins (benchmarks/results, 2026-12-04). Launched as soon as the device
+# was on the last pass, batches of one-article requests from 8 clients settled at 3 articles in 4,096 rows
+# (78% useful) on an H100; from a simulation with the passes' measured seconds (runner_hold.py), launched
+# this late they take turns at 4,096 and 6,144 rows (93%) (benchmarks/results, 2026-12-06).
+LAUNCH_LEAD = 0.01
+
 # A plan is anything with `trees` (spinf_jax.scoring.Plan, spinf_jax.decisions.DecisionPlan); its finish
 # turns the plan and its trees' results into the response.
 Finish = Callable[[Any, list], Any]
@@ -53,11 +62,14 @@ class _Done:
 
 @dataclass
 class _OnDevice:
-    """A launched batch: Engine.launch's handle, and an event the waiter thread sets once the device is on
-    the batch's last pass (or done)."""
+    """A launched batch: Engine.launch's handle, an event the waiter thread sets once the device is on the
+    batch's last pass (or done), that pass's measured seconds, and when it should end (perf_counter, set
+    with `last`)."""
 
     handle: Any
     last: threading.Event
+    last_seconds: float
+    ends: float = 0.0
 
 
 class Ticket(Future):
@@ -169,18 +181,22 @@ class Runner:
     def _gather(self, batch: list, busy: _OnDevice | None = None) -> tuple[list, bool]:
         """The next batch, after `batch` (the first request, or those held from the last batch), and whether
         `busy` is still on the device. With the device idle: what arrives within max_delay. With a batch on
-        the device (`busy`): what arrives until the device is on its last pass (the batch is launched behind
-        it then), or until it is done, or once the trees fill the largest bucket, until it is on its last
-        pass. Requests that arrive before the device gets there join; held ones alone wait for company.
-        Never more than fills the largest bucket."""
+        the device (`busy`): what arrives until LAUNCH_LEAD before the device should end its last pass (the
+        batch is launched behind it then), or until it is done, or once the trees fill the largest bucket,
+        until it is on its last pass. Held ones alone wait for company. Never more than fills the largest
+        bucket."""
         tokens = sum(ticket.tokens for _, _, ticket in batch)
         held = len(batch)
         deadline = time.monotonic() + self.max_delay
         done = busy is None
         while tokens < self.engine.buckets.largest:
-            if busy is not None and len(batch) > held and busy.last.is_set() and self._queue.empty():
-                break  # the device is on the last pass: what has come goes behind it now
             wait = None if busy is not None else max(0.0, deadline - time.monotonic())
+            if busy is not None and len(batch) > held and busy.last.is_set():
+                # The device is on the last pass: what comes until just before it ends goes behind it.
+                wait = busy.ends - LAUNCH_LEAD - time.perf_counter()
+                if wait <= 0 and self._queue.empty():
+                    break
+                wait = max(wait, 0.0)
             try:  # with a batch on the device: until a request or that batch's _Done comes
                 item = self._queue.get(timeout=wait)
             except queue.Empty:
@@ -257,11 +273,12 @@ class Runner:
             start = time.perf_counter()
             try:
                 trees = [tree for plan, _, _ in batch for tree in plan.trees]
+                cuts = cuts or self.engine.cut(trees)
                 handle = self.engine.launch(trees, cuts, behind)
             except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure, the thread lives on
                 self._answer(batch, exc, start, time.perf_counter())
                 return None
-            on_device = _OnDevice(handle, threading.Event())
+            on_device = _OnDevice(handle, threading.Event(), cuts.last_seconds(len(trees)))
             self._waiter.submit(self._finish, batch, on_device, start)
             return on_device
 
@@ -271,6 +288,7 @@ class Runner:
         handle = on_device.handle
         with contextlib.suppress(Exception):  # a device failure: collect raises it, for the batch's requests
             handle.wait(leaving=1)
+            on_device.ends = time.perf_counter() + on_device.last_seconds
             on_device.last.set()
             self._queue.put(_Done(handle, finished=False))
             handle.wait()

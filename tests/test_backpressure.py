@@ -13,7 +13,7 @@ import uvicorn
 from litestar.testing import TestClient
 
 from spinf_jax.errors import ScoringError
-from spinf_jax.runner import Runner
+from spinf_jax.runner import LAUNCH_LEAD, Runner
 from spinf_jax.server import app as app_module
 from spinf_jax.server import protocol
 from spinf_jax.server.app import Settings, create_app
@@ -35,8 +35,11 @@ class SlowEngine:
 
     @staticmethod
     def cut(trees):
-        """A pass per token: no prefix costs less per token than the whole batch."""
-        return SimpleNamespace(cost=[float(sum(len(t) for t in trees[:i])) for i in range(len(trees) + 1)])
+        """A pass per token: no prefix costs less per token than the whole batch; costs are not seconds."""
+        return SimpleNamespace(
+            cost=[float(sum(len(t) for t in trees[:i])) for i in range(len(trees) + 1)],
+            last_seconds=lambda end: 0.0,
+        )
 
     def launch(self, trees, cuts=None, behind=None):
         """Engine.launch's handle: the batch runs (one pass) once the gate is open and something waits."""
@@ -328,6 +331,54 @@ def test_batches_are_queued_behind_the_last_pass_and_results_are_read_off_the_en
     assert launched[0].behind is None
 
 
+def test_the_next_batch_takes_what_comes_until_just_before_the_last_pass_ends():
+    """With the passes' seconds measured, a batch gathered while the device runs is launched LAUNCH_LEAD
+    before the running batch's last pass should end, not as soon as the device is on it: a request that
+    comes during that pass still joins."""
+    launched = []
+
+    class Device:
+        buckets = SimpleNamespace(largest=100)
+
+        @staticmethod
+        def cut(trees):
+            return SimpleNamespace(
+                cost=[float(i) for i in range(len(trees) + 1)], last_seconds=lambda end: 0.4
+            )
+
+        def launch(self, trees, cuts=None, behind=None):
+            launched.append((Handle(trees, behind), time.perf_counter()))
+            return launched[-1][0]
+
+        def collect(self, handle):
+            return [len(t) for t in handle.trees]
+
+    runner = Runner(Device(), max_queue=8, max_delay=0.0)
+    first = runner.submit(SimpleNamespace(trees=[[0]]), lambda plan, scored: scored)
+    deadline = time.monotonic() + 10
+    while not launched:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    later = [runner.submit(SimpleNamespace(trees=[[0]]), lambda plan, scored: scored)]
+    on_last = time.perf_counter()
+    launched[0][0].last.set()  # the device is on the first batch's last pass, 0.4 s from its end
+    time.sleep(0.1)
+    later.append(runner.submit(SimpleNamespace(trees=[[0]]), lambda plan, scored: scored))
+    time.sleep(0.1)
+    assert len(launched) == 1  # still gathering
+    while len(launched) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    handle, at = launched[1]
+    assert len(handle.trees) == 2 and handle.behind is launched[0][0]
+    assert 0.4 - LAUNCH_LEAD - 0.05 <= at - on_last < 0.4  # before the pass ends, not much earlier
+    for h, _ in launched:
+        h.last.set()
+        h.done.set()
+    assert [f.result(timeout=10) for f in [first, *later]] == [[1]] * 3
+    runner.close()
+
+
 class Buckets2048:
     """Passes in buckets every 2,048 rows, a pass costing its rows: what Engine.cut gives."""
 
@@ -339,7 +390,7 @@ class Buckets2048:
     @staticmethod
     def cut(trees):
         rows = [-(-sum(len(t) for t in trees[:i]) // 2048) * 2048 for i in range(len(trees) + 1)]
-        return SimpleNamespace(cost=[float(r) for r in rows])
+        return SimpleNamespace(cost=[float(r) for r in rows], last_seconds=lambda end: 0.0)
 
     def launch(self, trees, cuts=None, behind=None):
         self.events.append(("launch", len(trees)))

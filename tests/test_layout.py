@@ -266,10 +266,15 @@ def test_passes_are_the_cheapest_cut_of_the_trees_in_order(sizes, overhead, time
     else:  # sums of floats: two cuts of equal cost may differ in the last bit, so ties are not compared
         assert got[0] == pytest.approx(best[0])
     # The same search's cost for every prefix: what the server's runner weighs holding requests back by.
-    costs = cut(trees, buckets).cost
-    assert len(costs) == len(trees) + 1 and costs[0] == 0
+    # And the measured seconds of each prefix's last pass: when the runner expects the device to end it.
+    cuts = cut(trees, buckets)
+    assert len(cuts.cost) == len(trees) + 1 and cuts.cost[0] == 0
     for i in range(1, len(trees) + 1):
-        assert costs[i] == pytest.approx(sum(buckets.cost(p.size) for p in pack(trees[:i], buckets)))
+        prefix = pack(trees[:i], buckets)
+        assert cuts.cost[i] == pytest.approx(sum(buckets.cost(p.size) for p in prefix))
+        assert cuts.last_seconds(i) == (
+            0.0 if timed is None else pytest.approx(buckets.cost(prefix[-1].size))
+        )
 
 
 def test_a_few_contents_take_small_passes_not_the_largest():

@@ -12,7 +12,8 @@ its class, calls and seconds) and pass_profile.md (the table), and prints the ta
 
 A second table puts the time by what the model code was doing: the programs' optimized HLO (written beside,
 gzipped) says which of the model's named scopes (mlp, linear, quantize, norm, rope, attention, lm_head) the
-ops XLA fused into each of its kernels came from. `--from DIR` redoes that table from a run's files.
+ops XLA fused into each of its kernels came from. `--from DIR` redoes that table from a run's files. A third
+lists the copies by the kernel that ran before each (copies_by_neighbour).
 """
 
 import argparse

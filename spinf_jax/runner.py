@@ -38,8 +38,9 @@ from spinf_jax.errors import ScoringError
 # kernel of a launch 0.6 ms after it begins (benchmarks/results, 2026-12-04). Launched as soon as the device
 # was on the last pass, batches of one-article requests from 8 clients settled at 3 articles in 4,096 rows
 # (78% useful) on an H100; from a simulation with the passes' measured seconds (runner_hold.py), launched
-# this late they take turns at 4,096 and 6,144 rows (93%) (benchmarks/results, 2026-12-06; not yet measured
-# on a GPU, where a launch also holds the engine thread for part of its pass).
+# this late they take turns at 4,096 and 6,144 rows (93%), however long a launch holds this thread (the old
+# way depended on it: launches that held it for under a fifth of their pass left it in the 78% state);
+# benchmarks/results, 2026-12-06. Not yet measured on a GPU.
 LAUNCH_LEAD = 0.01
 
 # A plan is anything with `trees` (spinf_jax.scoring.Plan, spinf_jax.decisions.DecisionPlan); its finish

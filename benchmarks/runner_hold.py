@@ -77,7 +77,7 @@ def drive(
     duration: float,
     finish: float,
     hold: bool,
-    launch_hold,
+    launch_hold: float,
 ):
     device = SimulatedDevice(seconds, launch_hold)
     runner = Runner(device, max_queue=256, max_delay=0.005, hold_back=hold)

@@ -14,10 +14,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gated_fp8
 from pallas_kernels.moe import grouped_matmul
 
-FP8_MAX = gated_fp8.FP8_MAX  # 448
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
 
 
@@ -71,7 +70,8 @@ def _quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     a token's result independent of whatever else is in the batch."""
     with jax.named_scope("quantize"):
         x = x.astype(jnp.float32)
-        scale = gated_fp8.scale_rows(jnp.max(jnp.abs(x), axis=-1, keepdims=True))
+        amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
         return (x / scale).astype(jnp.float8_e4m3fn), scale
 
 
@@ -79,23 +79,6 @@ def matmul_precision(dtype):
     """f32 means f32: GPUs would otherwise run f32 matmuls as TF32 (10-bit mantissa), which is not the
     reference precision our fp32 parity promises."""
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-
-
-def _fp8_gemm(xq: jax.Array, values: jax.Array, out_dtype) -> jax.Array:
-    """fp8 rows [..., in] @ fp8 values [out, in]ᵀ → [..., out], unscaled. The GEMM writes the output's
-    dtype where that is 16-bit (f32 for f32 outputs: the logits): half the bytes of an f32 result for the
-    scaling that follows to read. On an H100 the seed job ran 7.5% faster than with f32 written
-    (benchmarks/results, fp8 GEMM output, 2026-12-06)."""
-    contract = (((xq.ndim - 1,), (1,)), ((), ()))
-    return jax.lax.dot_general(
-        xq, values, contract, preferred_element_type=jnp.promote_types(out_dtype, jnp.bfloat16)
-    )
-
-
-def _fp8_linear(xq: jax.Array, x_scale: jax.Array, w: "QuantArray", out_dtype) -> jax.Array:
-    """`linear` of rows already quantized: xq [..., in] fp8 with their scales [..., 1]."""
-    y = _fp8_gemm(xq, w.values, out_dtype)
-    return (y.astype(jnp.float32) * x_scale * w.scale).astype(out_dtype)
 
 
 def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
@@ -109,27 +92,16 @@ def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
             )
             return y.astype(out_dtype)
         if w.values.dtype == jnp.float8_e4m3fn:
-            return _fp8_linear(*_quantize_rows_fp8(x), w, out_dtype)
+            xq, x_scale = _quantize_rows_fp8(x)
+            # The GEMM writes the output's dtype where that is 16-bit (f32 for f32 outputs: the logits):
+            # half the bytes of an f32 result for the scaling that follows to read. On an H100 the seed job
+            # ran 7.5% faster than with f32 written (benchmarks/results, fp8 GEMM output, 2026-12-06).
+            y = jax.lax.dot_general(
+                xq, w.values, contract, preferred_element_type=jnp.promote_types(out_dtype, jnp.bfloat16)
+            )
+            return (y.astype(jnp.float32) * x_scale * w.scale).astype(out_dtype)
         y = jax.lax.dot_general(x, w.values.astype(x.dtype), contract, preferred_element_type=jnp.float32)
         return (y * w.scale).astype(out_dtype)
-
-
-def gated_linear(x: jax.Array, gate: Weight, up: Weight, down: Weight, activation, *, interpret=False):
-    """linear(activation(linear(x, gate)) · linear(x, up), down): a gated feed-forward, x [N, in] → [N, in].
-    With fp8 weights the middle is one kernel on GPUs (pallas_kernels.gated_fp8; `interpret` runs it on the
-    CPU) and its reference elsewhere, the same computation as the linears'."""
-    fp8 = [isinstance(w, QuantArray) and w.values.dtype == jnp.float8_e4m3fn for w in (gate, up, down)]
-    if not all(fp8):
-        return linear(activation(linear(x, gate)) * linear(x, up), down)
-    with jax.named_scope("linear"):
-        xq, x_scale = _quantize_rows_fp8(x)
-        g, u = _fp8_gemm(xq, gate.values, x.dtype), _fp8_gemm(xq, up.values, x.dtype)
-    on_kernel = interpret or jax.default_backend() == "gpu"
-    middle = partial(gated_fp8.kernel, interpret=interpret) if on_kernel else gated_fp8.reference
-    with jax.named_scope("quantize"):
-        hq, h_scale = middle(g, u, x_scale, gate.scale, up.scale, activation=activation)
-    with jax.named_scope("linear"):
-        return _fp8_linear(hq, h_scale, down, x.dtype)
 
 
 def stacked_outputs(*ws: Weight) -> Weight:

@@ -11,15 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gated_fp8, tree_attention_mosaic
+from pallas_kernels import tree_attention_mosaic
 from pallas_kernels.tree_attention import kernel, reference
 from spinf_jax.engine import Engine
 from spinf_jax.layout import build_tree
 from spinf_jax.loader import load_model
-from spinf_jax.models.layers import gelu_tanh
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision, linear, quantize
-from tests.test_gated_fp8 import assert_close_to_reference, products
 from tests.test_tree_attention import same_rows_in_every_layout
 from tests.trees import POOL, lay_out
 
@@ -31,18 +29,6 @@ def test_fp8_weights_use_cublaslt_fp8_gemm():
     x = jnp.ones((4096, 3840), jnp.bfloat16)
     w = quantize(jax.random.normal(jax.random.key(0), (15360, 3840)), Precision.FP8)
     assert "__cublas$lt$matmul$f8" in jax.jit(linear).lower(x, w).compile().as_text()
-
-
-@pytest.mark.parametrize("width", [2048, 15360, 21504])  # Gemma 3 270M's, 12B's and 27B's feed-forward
-def test_gated_fp8_kernel_matches_reference(width):
-    """The compiled kernel (not the interpreter: tests/test_gated_fp8.py) against its reference, and a row's
-    bits alone and among others."""
-    args = products(256, width)
-    h, scale = gated_fp8.kernel(*args, activation=gelu_tanh)
-    assert_close_to_reference((h, scale), jax.jit(partial(gated_fp8.reference, activation=gelu_tanh))(*args))
-    alone = gated_fp8.kernel(*(a[:16] if a.shape[0] == 256 else a for a in args), activation=gelu_tanh)
-    for a, b in zip(alone, (h, scale), strict=True):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b[:16]).view(np.uint8))
 
 
 KERNELS = {"triton": kernel, "mosaic": tree_attention_mosaic.kernel}

@@ -14,7 +14,7 @@ from pallas_kernels.late_map import late_map
 from pallas_kernels.tree_attention import blockwise, kernel
 from spinf_jax.layout import Tree
 from spinf_jax.packer import empty_chunks
-from spinf_jax.quant import Weight, embed, gated_linear, linear
+from spinf_jax.quant import Weight, embed, linear
 
 # Hugging Face's names for the two kinds of attention layer (Gemma 3 and 4 alternate them).
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
@@ -275,7 +275,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
 
 def gated_mlp(x: jax.Array, gate: Weight, up: Weight, down: Weight, activation) -> jax.Array:
     with jax.named_scope("mlp"):
-        return gated_linear(x, gate, up, down, activation)
+        return linear(activation(linear(x, gate)) * linear(x, up), down)
 
 
 def gelu_tanh(x):

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.blocks import largest_block
 from pallas_kernels.late_map import late_map
 
 # expert(rows [N, hidden], e) → [N, hidden] f32: expert e's feed-forward of some rows (e an int or a traced
@@ -98,6 +97,16 @@ def grouped_matmul_reference(x, tile_expert, w, row_scale=None, col_scale=None, 
     return y.astype(out_dtype)
 
 
+def _largest_block(size: int, cap: int) -> int:
+    """The largest power of two ≤ cap, and ≥ 16 (Triton's smallest dot), that divides size."""
+    block = cap
+    while size % block:
+        block //= 2
+        if block < 16:
+            raise ValueError(f"a grouped GEMM needs dimensions divisible by 16, got {size}")
+    return block
+
+
 def _grouped_matmul_kernel(expert_ref, x_ref, w_ref, *refs, block_k: int, scaled: tuple[bool, bool]):
     """One (tile, column block): the tile's rows [tile, K] times its expert's [block_n, K] weights, over K in
     block_k steps in order, then the scales. A row's sums never depend on which tile it is in."""
@@ -142,8 +151,8 @@ def grouped_matmul(
     experts, n, _ = w.shape
     tiles = tile_expert.shape[0]
     tile = r // tiles
-    block_n = largest_block(n, 128)
-    block_k = largest_block(k, 128 if x.dtype.itemsize == 1 else 64)
+    block_n = _largest_block(n, 128)
+    block_k = _largest_block(k, 128 if x.dtype.itemsize == 1 else 64)
     scaled = (row_scale is not None, col_scale is not None)
     scales = [s for s in (row_scale, col_scale) if s is not None]
     return pl.pallas_call(

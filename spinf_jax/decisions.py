@@ -42,54 +42,90 @@ from spinf_jax.packer import content_trees
 if TYPE_CHECKING:
     from spinf_jax.engine import Engine, Scored
 
-LETTERS = "ABCDEFGHIJKLMNOP"
+LETTERS = "ABCDEFGHIJKLMNOP"  # /decide's options: 2 to 16
 SYSTEM = (
     "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
     "Respond with only its uppercase letter, with no explanation or reasoning."
 )
-CHAT_VERSION = "direct-options-v1"
-PLAIN_VERSION = "direct-options-plain-v1"
-# A base model's prompt: SYSTEM, the payload, then the answer's cue (the letter follows with a space).
-PLAIN_HEAD, PLAIN_TAIL = SYSTEM + "\n\n", "\n\nAnswer:"
 
 
-def payload(state, question: str, descriptions: list[str]) -> tuple[str, int]:
-    """The user's message, and where the state ends in it (characters)."""
-    options = [{"letter": LETTERS[j], "description": d} for j, d in enumerate(descriptions)]
-    text = json.dumps({"evidence": state, "criterion": question, "options": options}, ensure_ascii=False)
-    return text, len('{"evidence": ') + len(json.dumps(state, ensure_ascii=False))
+@dataclass(frozen=True)
+class Contract:
+    """A prompt contract: the wording of a lettered question over a state, versioned. The user's message is
+    one JSON object, the state first (so that every question's prompt begins with the same tokens, the
+    tree's trunk), then the question, then the options, each with its label."""
+
+    chat_version: str  # read through the model's chat template
+    plain_version: str  # a base model: SYSTEM, the payload, then "\n\nAnswer:" (the label after a space)
+    system: str
+    state_key: str
+    question_key: str
+    label_key: str
+
+
+DIRECT_OPTIONS = Contract(
+    "direct-options-v1", "direct-options-plain-v1", SYSTEM, "evidence", "criterion", "letter"
+)
+PLAIN_TAIL = "\n\nAnswer:"
+
+
+def candidate_labels() -> list[str]:
+    """The labels a question's options may take, in order: A to Z, then AA, AB, ... (a tokenizer keeps
+    those it reads as one token)."""
+    singles = [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    return singles + [a + b for a in singles for b in singles]
+
+
+def payload(contract: Contract, state, question, options: list[dict], names: list[str]) -> tuple[str, int]:
+    """The user's message, and where the state ends in it (characters). `options` as the model reads them,
+    without their labels (`names`), which come first in each."""
+    listed = [{contract.label_key: name, **o} for name, o in zip(names, options, strict=False)]
+    body = {contract.state_key: state, contract.question_key: question, "options": listed}
+    text = json.dumps(body, ensure_ascii=False)
+    return text, len(f'{{"{contract.state_key}": ') + len(json.dumps(state, ensure_ascii=False))
 
 
 class Format:
-    """How one tokenizer is asked decisions: the prompt's wording, and the letters' tokens. Refuses a
-    tokenizer that cannot read a letter as one token that stays apart from the text before it."""
+    """How one tokenizer is asked lettered questions under a contract: the prompt's wording, and the labels'
+    tokens. Refuses a tokenizer that cannot read a letter as one token that stays apart from the text before
+    it; two-letter labels (past Z) are those it reads that way, up to `max_labels` in all."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, contract: Contract = DIRECT_OPTIONS, max_labels: int = len(LETTERS)):
         self.tokenizer = tokenizer
+        self.contract = contract
         self.chat = tokenizer.chat_template is not None
-        self.version = CHAT_VERSION if self.chat else PLAIN_VERSION
-        self.letter_texts = [letter if self.chat else " " + letter for letter in LETTERS]
-        probe = self.render("x", "q", ["a", "b"])[0]
+        self.version = contract.chat_version if self.chat else contract.plain_version
+        probe = self._render("x", "q", [{"description": "a"}, {"description": "b"}], ["A", "B"])[0]
         probe_ids = tokenizer.encode(probe)
-        self.letter_ids = []
-        for text in self.letter_texts:
+        self.labels, self.label_ids = [], []
+        for name in candidate_labels():
+            if len(self.labels) == max_labels:
+                break
+            text = name if self.chat else " " + name
             ids = tokenizer.encode(text)
             apart = tokenizer.encode(probe + text) == probe_ids + ids
-            if len(ids) != 1 or tokenizer.decode(ids) != text or not apart:
+            if len(ids) == 1 and tokenizer.decode(ids) == text and apart:
+                self.labels.append(name)
+                self.label_ids.append(ids[0])
+            elif len(name) == 1 and len(self.labels) < len(LETTERS):
                 raise ScoringError(
                     "decisions_unsupported",
                     f"this model's tokenizer does not read the answer {text!r} as one token of its own after "
                     "the prompt, so decisions cannot be read from it",
                 )
-            self.letter_ids.append(ids[0])
 
-    def render(self, state, question: str, descriptions: list[str]) -> tuple[str, int]:
+    def render(self, state, question, options: list[dict]) -> tuple[str, int]:
         """The prompt's text, and where the state ends in it (characters)."""
-        user, state_end = payload(state, question, descriptions)
+        return self._render(state, question, options, self.labels)
+
+    def _render(self, state, question, options: list[dict], names: list[str]) -> tuple[str, int]:
+        user, state_end = payload(self.contract, state, question, options, names)
+        system = self.contract.system
         if not self.chat:
-            return PLAIN_HEAD + user + PLAIN_TAIL, len(PLAIN_HEAD) + state_end
+            head = system + "\n\n"
+            return head + user + PLAIN_TAIL, len(head) + state_end
         text = self.tokenizer.render_chat(
-            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+            [{"role": "system", "content": system}, {"role": "user", "content": user}]
         )
         at = text.find(user)
         if at < 0:
@@ -153,26 +189,30 @@ def _check(question: api.DecisionQuestion, param: str, calibration: Calibration 
         )  # fmt: skip
 
 
-def compile_decisions(
-    state,
-    questions: list[api.DecisionQuestion],
-    params: list[str],
-    form: Format,
-    limits: Limits,
-    calibration: Calibration | None,
-) -> tuple[tuple[int, ...], list[Decision]]:
-    """The state's trunk (tokens without BOS) and each decision's orderings as branches; raises
+@dataclass(frozen=True)
+class Asked:
+    """One question over a state as the model reads it: the question (any JSON value), its options as
+    shown (label-less dicts), and the orders in which they are listed (indices; the listed order first)."""
+
+    param: str  # where the question is in the request, for errors
+    question: object
+    options: list[dict]
+    orders: list[tuple[int, ...]]
+
+
+def read_state(
+    state, asked: list[Asked], form: Format, limits: Limits
+) -> tuple[tuple[int, ...], list[tuple[Ordering, ...]]]:
+    """The state's trunk (tokens without BOS) and each question's orderings as branches of it; raises
     ScoringError."""
     if state in ("", {}, []) or (isinstance(state, str) and not state.strip()):
         raise ScoringError("empty_state", "the state is empty: give the text or JSON to decide over", "state")
     tokenizer, prefix = form.tokenizer, form.tokenizer.prefix()
-    trunk, decisions = None, []
-    for question, param in zip(questions, params, strict=True):
-        _check(question, param, calibration)
-        descriptions = [o.description for o in question.options]
-        asked = []
-        for order in orderings.orders(len(descriptions), question.orderings):
-            text, state_end = form.render(state, question.question, [descriptions[i] for i in order])
+    trunk, out = None, []
+    for question in asked:
+        branches = []
+        for order in question.orders:
+            text, state_end = form.render(state, question.question, [question.options[i] for i in order])
             encoding = tokenizer.backend.encode(text, add_special_tokens=False)
             ids = list(encoding.ids)
             if prefix and ids[:1] == prefix:  # the template wrote BOS itself; the tree adds it
@@ -194,14 +234,36 @@ def compile_decisions(
                     "decisions_unsupported",
                     "this model's tokenizer joins the end of the state with the text after it, so the state "
                     "cannot be read once for many decisions",
-                    param,
+                    question.param,
                 )
             digest = hashlib.sha256(text.encode()).hexdigest()
-            asked.append(Ordering(order, digest, tuple(ids[cut:]), len(prefix) + len(ids)))
-        decisions.append(
-            Decision(question.id, tuple(o.id for o in question.options), tuple(asked),
-                     question.orderings is not None, question.workload)
-        )  # fmt: skip
+            branches.append(Ordering(order, digest, tuple(ids[cut:]), len(prefix) + len(ids)))
+        out.append(tuple(branches))
+    return trunk, out
+
+
+def compile_decisions(
+    state,
+    questions: list[api.DecisionQuestion],
+    params: list[str],
+    form: Format,
+    limits: Limits,
+    calibration: Calibration | None,
+) -> tuple[tuple[int, ...], list[Decision]]:
+    """The state's trunk (tokens without BOS) and each decision's orderings as branches; raises
+    ScoringError."""
+    asked = []
+    for question, param in zip(questions, params, strict=True):
+        _check(question, param, calibration)
+        options = [{"description": o.description} for o in question.options]
+        asked.append(
+            Asked(param, question.question, options, orderings.orders(len(options), question.orderings))
+        )
+    trunk, branches = read_state(state, asked, form, limits)
+    decisions = [
+        Decision(q.id, tuple(o.id for o in q.options), b, q.orderings is not None, q.workload)
+        for q, b in zip(questions, branches, strict=True)
+    ]
     return trunk, decisions
 
 
@@ -209,7 +271,7 @@ def compile_decisions(
 # Scores → the reply
 
 
-def _by_option(order: tuple[int, ...], letter_values: np.ndarray) -> np.ndarray:
+def by_option(order: tuple[int, ...], letter_values: np.ndarray) -> np.ndarray:
     """Values in letter order → per option, in the options' listed order."""
     out = np.empty(len(order))
     out[list(order)] = letter_values
@@ -281,7 +343,7 @@ class Decider:
                 f"{asked} prompts (decisions x orderings); at most {self.limits.max_questions_per_content}",
                 "decisions",
             )
-        letters = tuple((i,) for i in self.format.letter_ids)
+        letters = tuple((i,) for i in self.format.label_ids)
         keys = [
             QuestionKey(o.branch_ids, letters[: len(d.option_ids)]) for d in decisions for o in d.orderings
         ]
@@ -319,7 +381,7 @@ class Decider:
         # Each ordering renormalised over its letters in letter order: the same prompt, the same bits,
         # whichever way the request listed the options. Then per option, in the listed order.
         letter_p = [orderings.distribution(lp) for lp in letter_logprobs]
-        per_option = [_by_option(order, p) for order, p in zip(asked, letter_p, strict=True)]
+        per_option = [by_option(order, p) for order, p in zip(asked, letter_p, strict=True)]
         first = decision.orderings[0]
         result = api.DecisionResult(
             id=decision.id,
@@ -338,7 +400,7 @@ class Decider:
                 api.OrderingResult(
                     order=[ids[i] for i in o.order],
                     probabilities=p.tolist(),
-                    option_logits=_by_option(o.order, lp).tolist(),
+                    option_logits=by_option(o.order, lp).tolist(),
                     prompt_sha256=o.prompt_sha256,
                 )
                 for o, p, lp in zip(decision.orderings, per_option, letter_logprobs, strict=True)

@@ -83,7 +83,7 @@ def test_the_prompt_is_semifs_direct_options_format(smollm):
 def test_a_base_model_reads_the_plain_prompt(gemma_engine):
     form = Format(gemma_engine.model.tokenizer)
     assert form.version == "direct-options-plain-v1"
-    text, state_end = form.render({"a": 1}, "q?", ["x", "y"])
+    text, state_end = form.render({"a": 1}, "q?", [{"description": "x"}, {"description": "y"}])
     assert text.startswith(SYSTEM + '\n\n{"evidence": {"a": 1}, "criterion": "q?"')
     assert text.endswith("\n\nAnswer:")
     assert text[:state_end].endswith('{"evidence": {"a": 1}')
@@ -93,12 +93,12 @@ def test_letters_are_a_plain_forward_of_the_whole_prompt(decider):
     """The tree (the state's trunk, the rest as a branch) gives what one forward of the prompt gives."""
     r = decider.decide(_alone(TOPIC))
     form, model = decider.format, decider.engine.model
-    descriptions = [o["description"] for o in TOPIC["options"]]
+    descriptions = [{"description": o["description"]} for o in TOPIC["options"]]
     text, _ = form.render(STATE, TOPIC["question"], descriptions)
     ids = form.tokenizer.encode(text)
     ids = ids if ids[:1] == form.tokenizer.prefix() else form.tokenizer.prefix() + ids
     hidden = model.hidden(TreeBatch.sequence(ids))
-    letters = np.asarray(form.letter_ids[:4], np.int32)[None, :]
+    letters = np.asarray(form.label_ids[:4], np.int32)[None, :]
     lp, _ = model.logprobs(hidden[len(ids) - 1 : len(ids)], letters)
     np.testing.assert_allclose(r["option_logits"], np.asarray(lp[0], np.float64), atol=2e-4)
     assert r["probabilities"] == pytest.approx(list(apply_temperature(np.array(r["option_logits"]), 1.0)))
@@ -195,7 +195,9 @@ def test_a_workload_adds_calibrated_probabilities_and_keeps_the_answer(decider):
 def test_json_states_are_written_as_json(smollm):
     state = {"ticket": 4411, "body": "Refund not received, charged twice.", "tags": ["billing", "urgent"]}
     r = smollm.decide({"state": state, **TOPIC})
-    text, _ = smollm.format.render(state, TOPIC["question"], [o["description"] for o in TOPIC["options"]])
+    text, _ = smollm.format.render(
+        state, TOPIC["question"], [{"description": o["description"]} for o in TOPIC["options"]]
+    )
     assert (
         '"evidence": {"ticket": 4411, "body": "Refund not received, charged twice.", "tags": ["billing"'
         in text

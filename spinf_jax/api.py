@@ -525,9 +525,20 @@ class ModelCard(Struct, kw_only=True):
     owned_by: str
 
 
+class DecisionModelCard(Struct, kw_only=True):
+    """A model as System One's SDK lists it."""
+
+    name: str
+    description: str
+    release_date: Annotated[str, Meta(description="YYYY-MM-DD: when this server made it ready")]
+
+
 class ModelList(Struct, kw_only=True):
+    """OpenAI's `data` and System One's `models` in one body, so that both SDKs list the served models."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    models: list[DecisionModelCard]
 
 
 class Versions(Struct, kw_only=True):

@@ -22,6 +22,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import TYPE_CHECKING
@@ -49,23 +50,27 @@ SYSTEM = (
 )
 
 
+def json_payload(state, question, options: list[dict], names: list[str]) -> tuple[str, int]:
+    """SemIf's user message: one JSON object, the state first, then the criterion and the lettered options.
+    Returns the text, and where the state ends in it (characters)."""
+    listed = [{"letter": name, **o} for name, o in zip(names, options, strict=False)]
+    text = json.dumps({"evidence": state, "criterion": question, "options": listed}, ensure_ascii=False)
+    return text, len('{"evidence": ') + len(json.dumps(state, ensure_ascii=False))
+
+
 @dataclass(frozen=True)
 class Contract:
-    """A prompt contract: the wording of a lettered question over a state, versioned. The user's message is
-    one JSON object, the state first (so that every question's prompt begins with the same tokens, the
-    tree's trunk), then the question, then the options, each with its label."""
+    """A prompt contract: the wording of a labelled question over a state, versioned. The user's message
+    (`payload`: the state, the question, the options without their labels, the labels) begins with the
+    state, so that every question's prompt begins with the same tokens: the tree's trunk."""
 
     chat_version: str  # read through the model's chat template
-    plain_version: str  # a base model: SYSTEM, the payload, then "\n\nAnswer:" (the label after a space)
+    plain_version: str  # a base model: the system text, the payload, then "\n\nAnswer:" (a space, the label)
     system: str
-    state_key: str
-    question_key: str
-    label_key: str
+    payload: Callable[[object, object, list[dict], list[str]], tuple[str, int]]
 
 
-DIRECT_OPTIONS = Contract(
-    "direct-options-v1", "direct-options-plain-v1", SYSTEM, "evidence", "criterion", "letter"
-)
+DIRECT_OPTIONS = Contract("direct-options-v1", "direct-options-plain-v1", SYSTEM, json_payload)
 PLAIN_TAIL = "\n\nAnswer:"
 
 
@@ -74,15 +79,6 @@ def candidate_labels() -> list[str]:
     those it reads as one token)."""
     singles = [chr(c) for c in range(ord("A"), ord("Z") + 1)]
     return singles + [a + b for a in singles for b in singles]
-
-
-def payload(contract: Contract, state, question, options: list[dict], names: list[str]) -> tuple[str, int]:
-    """The user's message, and where the state ends in it (characters). `options` as the model reads them,
-    without their labels (`names`), which come first in each."""
-    listed = [{contract.label_key: name, **o} for name, o in zip(names, options, strict=False)]
-    body = {contract.state_key: state, contract.question_key: question, "options": listed}
-    text = json.dumps(body, ensure_ascii=False)
-    return text, len(f'{{"{contract.state_key}": ') + len(json.dumps(state, ensure_ascii=False))
 
 
 class Format:
@@ -119,7 +115,7 @@ class Format:
         return self._render(state, question, options, self.labels)
 
     def _render(self, state, question, options: list[dict], names: list[str]) -> tuple[str, int]:
-        user, state_end = payload(self.contract, state, question, options, names)
+        user, state_end = self.contract.payload(state, question, options, names)
         system = self.contract.system
         if not self.chat:
             head = system + "\n\n"

@@ -43,11 +43,18 @@ CODES: dict[str, tuple[int, str]] = {
     "out_of_range": (400, "max_answers (1-8) or max_tokens (1-32 searched, 1-128 generated) out of range"),
     "extraction_unsupported": (400, "a {n} or {$} slot on a model whose tokenizer has no digit tokens"),
     # Decisions (SPEC section 5)
-    "option_count": (400, "a decision with fewer than 2 or more than 16 options"),
+    "option_count": (
+        400,
+        "a decision of fewer than 2 or more than 16 options (255 choices, 10 score levels)",
+    ),
     "duplicate_option_id": (400, "two options of a decision with one id"),
     "empty_state": (400, "a decision's state is empty"),
     "too_many_orderings": (400, '"all" orderings of more than 4 options'),
     "unknown_workload": (400, "a workload the server's calibration file does not have"),
+    "question_type_unsupported": (
+        400,
+        "a System One `box` question: this server answers noul, choice, score",
+    ),
     "decisions_unsupported": (501, "the model cannot read a lettered answer as one token after the prompt"),
     # Access, routing and the server's state
     "invalid_api_key": (401, "missing or wrong API key"),

@@ -5,6 +5,7 @@ each build one and use its parts; none assembles them on its own.
     service = Service.load("spinf/gemma-3-270m")
     service.score({"inputs": [...], "scoring": {...}})    # SPEC section 1 → section 2
     service.decide({"id": ..., "state": ..., "question": ..., "options": [...]})
+    service.systemone({"state": ..., "questions": {"refund": {"type": "noul", "instructions": ...}}})
 """
 
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from spinf_jax.calibration import Calibration
 from spinf_jax.compiler import Limits
+from spinf_jax.decision_apis import DecisionApis
 from spinf_jax.decisions import Decider
 from spinf_jax.engine import Engine
 from spinf_jax.loader import DEFAULT_MODEL, random_model
@@ -27,6 +29,7 @@ class Service:
     engine: Engine
     scorer: Scorer
     decider: Decider
+    apis: DecisionApis  # System One and OpenAI's Decisions API
 
     @classmethod
     def over(
@@ -41,7 +44,8 @@ class Service:
         scorer = Scorer(
             engine, limits, packs=compile_packs(packs, engine.model.tokenizer), calibration=calibration
         )
-        return cls(engine, scorer, Decider(engine, limits, calibration=calibration))
+        decider = Decider(engine, limits, calibration=calibration)
+        return cls(engine, scorer, decider, DecisionApis(engine, limits, calibration))
 
     @classmethod
     def load(
@@ -77,3 +81,15 @@ class Service:
     def decide(self, body: dict) -> dict:
         """A decision, or a shared request of several (SPEC section 5) → its result."""
         return self.decider.decide(body)
+
+    def systemone(self, body: dict) -> dict:
+        """A System One request ({model, state, questions: {id: {type, ...}}}) → its reply (SPEC 5b)."""
+        return self.apis.systemone(body)
+
+    def systemone_batch(self, body: dict) -> dict:
+        """{states: [...], questions: {...}} → {results: [a System One reply per state], total_usage}."""
+        return self.apis.systemone_batch(body)
+
+    def decisions(self, body: dict) -> dict:
+        """An OpenAI Decisions request ({model, input, questions: [...]}) → its reply."""
+        return self.apis.decisions(body)

@@ -31,6 +31,8 @@ from spinf_jax.progress import PROGRESS, Progress, log
 from spinf_jax.runner import QueueFull, Runner
 from spinf_jax.server import profiling
 from spinf_jax.server.auth import ApiKeys
+from spinf_jax.server.decision_routes import decision_routes
+from spinf_jax.server.encoding import decompressing
 from spinf_jax.server.errors import (
     EXCEPTION_HANDLERS,
     ApiError,
@@ -296,8 +298,14 @@ async def decide_shared(request: Request, data: JSONBody[api.SharedDecideRequest
 async def models(request: Request) -> api.ModelList:
     server = _server(request)
     created = server.ready_at or int(time.time())
+    names = server.names()
+    released = time.strftime("%Y-%m-%d", time.gmtime(created))
     return api.ModelList(
-        data=[api.ModelCard(id=name, created=created, owned_by="spinf") for name in server.names()]
+        data=[api.ModelCard(id=name, created=created, owned_by="spinf") for name in names],
+        models=[
+            api.DecisionModelCard(name=name, description="served by spinf-jax", release_date=released)
+            for name in names
+        ],
     )
 
 
@@ -427,7 +435,11 @@ def _observe_requests(app: ASGIApp, metrics: Metrics) -> ASGIApp:
                 status = message["status"]
                 message = {
                     **message,
-                    "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())],
+                    "headers": [
+                        *message.get("headers", ()),
+                        (b"x-request-id", rid.encode()),
+                        (b"x-typesafe-request-id", rid.encode()),  # the System One SDK's name for it
+                    ],
                 }
             await send(message)
 
@@ -463,6 +475,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
             profile,
             health,
             metrics,
+            *decision_routes(SCORING_ROUTE),
         ],
         guards=[_metrics_behind_key] if settings.metrics_auth else [],
         request_class=ApiRequest,
@@ -481,5 +494,5 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
     app.state.api_keys = ApiKeys(settings.api_keys)
     # Litestar's middleware runs after routing and would miss 404s and 405s: wrap the whole handler instead,
     # as Litestar does itself for OpenTelemetry.
-    app.asgi_handler = _observe_requests(app.asgi_handler, server.metrics)
+    app.asgi_handler = _observe_requests(decompressing(app.asgi_handler, MAX_BODY), server.metrics)
     return app

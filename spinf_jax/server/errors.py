@@ -50,6 +50,7 @@ def envelope(
     headers = {}
     if retry_after is not None:
         headers["retry-after"] = str(retry_after)
+        headers["retry-after-ms"] = str(retry_after * 1000)  # what the System One SDK reads first
     if status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
         headers["www-authenticate"] = 'Bearer realm="spinf"'
 

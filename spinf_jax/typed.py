@@ -1,0 +1,331 @@
+"""Typed questions over states, as the decision APIs of the field ask them (System One's noul / choice /
+score, OpenAI's predicate / choice / score): each question is a branch of one read of its state, its options
+listed with labels (A to Z, then AA, AB, ...: up to 255), the answer read from the labels' log-probabilities
+at the first position of the model's answer.
+
+The prompt contract is `typed-options-v1` (through the model's chat template: a system text, then the
+user's message) or `typed-options-plain-v1` (a base model: the system text, the message, then "Answer:"; the
+label follows after a space), spinf_jax.decisions.Format's two forms. The message is
+
+    State:
+    <the state: text as it is, an object or an array as compact JSON>
+
+    Question: <the instructions>
+    Options:
+    A. <name>: <description>
+    B. ...
+
+- noul: the options `yes` and `no`, with the criteria's `true` / `false` descriptions where given; the
+  answer is P(yes). Without instructions the question reads "Which option is true of the state?".
+- choice: each option's name, and its description where it has one (objects and arrays as compact JSON).
+- score: the levels' descriptions in order, the header saying "(from the lowest level to the highest)"; the
+  answer is Σ i·pᵢ.
+
+One line an option keeps 255 described options within one read (about 12 tokens each).
+The question's id is never shown. The state comes first, so every question's prompt starts with the same
+tokens (the tree's trunk) and its answer's bits do not depend on what else is asked, under which id, in which
+order, or with which other states in the pass.
+"""
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from spinf_jax import api, orderings
+from spinf_jax.calibration import Calibration, apply_temperature
+from spinf_jax.compiler import Limits
+from spinf_jax.decisions import Asked, Contract, Format, Ordering, by_option, read_state
+from spinf_jax.errors import ScoringError
+from spinf_jax.layout import QuestionKey, Tree
+from spinf_jax.packer import Buckets, content_trees
+
+TYPED_SYSTEM = (
+    "Answer the question about the supplied state. Choose exactly one listed option. "
+    "Respond with only its label, with no explanation or reasoning."
+)
+
+
+def _text(value) -> str:
+    """A string as it is; an object or an array as compact JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _option_line(label: str, shown: dict) -> str:
+    name = shown.get("name")
+    parts = [] if name is None else [_text(name)]
+    if "description" in shown:
+        parts.append(_text(shown["description"]))
+    return f"{label}. " + ": ".join(parts)
+
+
+def text_payload(state, question, options: list[dict], names: list[str]) -> tuple[str, int]:
+    """The user's message: the state, the question, then one line per option (`B. name: description`).
+    Returns the text, and where the state ends in it (characters)."""
+    head, state_text = "State:\n", _text(state)
+    lines = "\n".join(_option_line(n, o) for n, o in zip(names, options, strict=False))
+    ordered = " (from the lowest level to the highest)" if options and "level" in options[0] else ""
+    text = f"{head}{state_text}\n\nQuestion: {_text(question)}\nOptions{ordered}:\n{lines}"
+    return text, len(head) + len(state_text)
+
+
+TYPED_OPTIONS = Contract("typed-options-v1", "typed-options-plain-v1", TYPED_SYSTEM, text_payload)
+MAX_OPTIONS = 255  # System One's documented maximum (OpenAI's Decisions API has the same)
+MAX_LEVELS = 10
+NOUL_QUESTION = "Which option is true of the state?"
+KINDS = ("noul", "choice", "score")
+
+
+@dataclass(frozen=True)
+class TypedQuestion:
+    """A typed question as the model reads it. `names` key the answer: ("true", "false") for a noul, the
+    options' names for a choice, "0".."n-1" for a score."""
+
+    kind: str
+    question: object  # the instructions (any JSON value)
+    names: tuple[str, ...]
+    shown: tuple[dict, ...]  # each option as the payload lists it, without its label
+    param: str  # where it is in the request, for errors
+
+
+def _shown(name_key: str, name, description) -> dict:
+    return {name_key: name} if description is None else {name_key: name, "description": description}
+
+
+def noul(instructions, true=None, false=None, param: str = "") -> TypedQuestion:
+    question = NOUL_QUESTION if instructions is None else instructions
+    shown = (_shown("name", "yes", true), _shown("name", "no", false))
+    return TypedQuestion("noul", question, ("true", "false"), shown, param)
+
+
+def choice(instructions, names: list[str], descriptions: list, param: str = "", shown_as: list | None = None):
+    """names: the options' keys in the answer, in the caller's order; descriptions: each one's, or None;
+    shown_as: what the model reads as each option's name (a JSON value), where it is not the name itself."""
+    if not 2 <= len(names) <= MAX_OPTIONS:
+        raise ScoringError("option_count", f"{len(names)} options; a choice has 2 to {MAX_OPTIONS}", param)
+    shown = tuple(_shown("name", n, d) for n, d in zip(shown_as or names, descriptions, strict=True))
+    return TypedQuestion("choice", instructions, tuple(names), shown, param)
+
+
+def score(instructions, levels: list, param: str = "") -> TypedQuestion:
+    """levels: descriptions from the lowest (0) to the highest."""
+    if not 2 <= len(levels) <= MAX_LEVELS:
+        raise ScoringError("option_count", f"{len(levels)} levels; a score has 2 to {MAX_LEVELS}", param)
+    shown = tuple(_shown("level", i, d) for i, d in enumerate(levels))
+    return TypedQuestion("score", instructions, tuple(str(i) for i in range(len(levels))), shown, param)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a request asks beyond its questions (the `x_` fields of the decision APIs)."""
+
+    orderings: str | None = None  # "rotations" or "all": every ordering of the options, combined
+    workload: str | None = None  # a workload of the calibration file
+
+
+@dataclass
+class StateRead:
+    trunk: tuple[int, ...]
+    branches: list[tuple[Ordering, ...]]  # per question, its orderings (the listed order first)
+
+
+@dataclass
+class TypedPlan:
+    questions_asked: list[TypedQuestion]
+    settings: Settings
+    states: list[StateRead]
+    trees: list[Tree]
+    prefix_tokens: int  # BOS and whatever the tokenizer puts before every prompt
+
+    @property
+    def inputs(self) -> int:
+        """The states: what the request log counts as a scoring request's contents."""
+        return len(self.states)
+
+    @property
+    def questions(self) -> int:
+        return sum(len(b) for s in self.states for b in s.branches)
+
+    def state_tokens(self, i: int) -> int:
+        """Every token the pass reads for state i: the state once, each question's prompt after it."""
+        read = self.states[i]
+        return self.prefix_tokens + len(read.trunk) + sum(len(o.branch_ids) for b in read.branches for o in b)
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(self.state_tokens(i) for i in range(len(self.states)))
+
+
+@dataclass
+class TypedAnswer:
+    question: TypedQuestion
+    probabilities: np.ndarray  # per name: the listed order's, or the orderings' combination
+    option_mass: float  # the labels' share of the next-token probability (the listed order's prompt)
+    prompt_sha256: str  # the listed order's prompt
+    combined: api.Combined | None = None
+    calibrated: np.ndarray | None = None
+    temperature: float | None = None
+    order_probabilities: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def top(self) -> str:
+        return self.question.names[int(np.argmax(self.probabilities))]
+
+    @property
+    def confidence(self) -> float:
+        """System One's documented formulas: for a choice (m − 1/n)/(1 − 1/n), m the top probability; for a
+        score max(0, 1 − Σ pᵢ·|i − k| / D), k the most likely level and D = (1/n)·Σ|i − (n − 1)/2|."""
+        p, n = self.probabilities, len(self.probabilities)
+        if self.question.kind == "score":
+            levels = np.arange(n)
+            spread = float(np.mean(np.abs(levels - (n - 1) / 2)))
+            k = int(np.argmax(p))
+            return _unit(1.0 - float(np.sum(p * np.abs(levels - k))) / spread)
+        return _unit((float(np.max(p)) - 1 / n) / (1 - 1 / n))
+
+    @property
+    def expectation(self) -> float:
+        """A score's Σ i·pᵢ."""
+        return float(np.sum(np.arange(len(self.probabilities)) * self.probabilities))
+
+
+def _unit(x: float) -> float:
+    return min(1.0, max(0.0, x))
+
+
+class TypedReader:
+    """Typed questions over an engine's model: a request's states and questions → trees, and their results
+    → answers. One Format (the labels the tokenizer reads as single tokens) per reader."""
+
+    def __init__(self, tokenizer, buckets: Buckets, limits: Limits, calibration: Calibration | None = None):
+        if tokenizer is None:
+            raise ScoringError("decisions_unsupported", "decisions need a model with a tokenizer")
+        self.format = Format(tokenizer, TYPED_OPTIONS, MAX_OPTIONS)
+        self.buckets = buckets
+        self.limits = limits
+        self.calibration = calibration
+
+    @property
+    def version(self) -> str:
+        return self.format.version
+
+    def check(self, questions: list[TypedQuestion], settings: Settings) -> None:
+        most = len(self.format.labels)
+        for q in questions:
+            if len(q.names) > most:
+                raise ScoringError(
+                    "option_count",
+                    f"{len(q.names)} options; this model's tokenizer reads {most} labels as single tokens",
+                    q.param,
+                )
+            if problem := orderings.count_error(len(q.names), settings.orderings):
+                raise ScoringError("too_many_orderings", problem, "x_orderings")
+        workload, calibration = settings.workload, self.calibration
+        if workload is not None and (calibration is None or workload not in calibration.workloads):
+            known = (
+                ", ".join(sorted(calibration.workloads)) if calibration else "none: serve with --calibration"
+            )
+            raise ScoringError(
+                "unknown_workload",
+                f"no calibration for workload {workload!r} (loaded: {known})",
+                "x_workload",
+            )
+
+    def plan(
+        self, states: list, questions: list[TypedQuestion], settings: Settings, params: list[str]
+    ) -> TypedPlan:
+        """The trees of every state's questions; params: where each state is in the request, for errors."""
+        self.check(questions, settings)
+        prefix = self.format.tokenizer.prefix()
+        asked_per_state = sum(len(orderings.orders(len(q.names), settings.orderings)) for q in questions)
+        if asked_per_state > self.limits.max_questions_per_content:
+            raise ScoringError(
+                "too_many_questions",
+                f"{asked_per_state} prompts per state (questions x orderings); at most "
+                f"{self.limits.max_questions_per_content}",
+                "questions",
+            )
+        asked = [
+            Asked(q.param, q.question, list(q.shown), orderings.orders(len(q.names), settings.orderings))
+            for q in questions
+        ]
+        reads, trees = [], []
+        for state, param in zip(states, params, strict=True):
+            try:
+                trunk, branches = read_state(state, asked, self.format, self.limits)
+            except ScoringError as e:
+                if e.param == "state" and param != "state":
+                    e.param = param
+                raise
+            keys = [
+                QuestionKey(o.branch_ids, tuple((i,) for i in self.format.label_ids[: len(q.names)]))
+                for q, b in zip(questions, branches, strict=True)
+                for o in b
+            ]
+            try:
+                chunks = content_trees(prefix, list(trunk), keys, self.buckets)
+            except ValueError as e:
+                raise ScoringError("question_too_large", str(e), param) from e
+            reads.append(StateRead(trunk, branches))
+            trees += [tree for tree, _ in chunks]
+        plan = TypedPlan(questions, settings, reads, trees, len(prefix))
+        if plan.input_tokens > self.limits.max_request_tokens:
+            raise ScoringError(
+                "too_many_tokens",
+                f"the request would read {plan.input_tokens:,} tokens; "
+                f"at most {self.limits.max_request_tokens:,}",
+            )
+        return plan
+
+    def answers(self, plan: TypedPlan, scored: list) -> list[list[TypedAnswer]]:
+        """Per state, per question (in the request's order), its answer."""
+        logprobs = iter([r.option_logprobs(i) for r in scored for i in range(len(r.tree.options))])
+        out = []
+        for read in plan.states:
+            mine = []
+            for question, branches in zip(plan.questions_asked, read.branches, strict=True):
+                label_lp = [next(logprobs) for _ in branches]
+                mine.append(self._answer(question, branches, label_lp, plan.settings))
+            out.append(mine)
+        return out
+
+    def _answer(self, question: TypedQuestion, branches, label_lp: list[np.ndarray], settings) -> TypedAnswer:
+        names = question.names
+        # Each ordering renormalised over its labels in label order, then per option in the listed order: the
+        # same prompt gives the same bits however the request listed the options.
+        per_option = [
+            by_option(o.order, orderings.distribution(lp)) for o, lp in zip(branches, label_lp, strict=True)
+        ]
+        first = label_lp[0]
+        answer = TypedAnswer(
+            question,
+            per_option[0],
+            option_mass=float(np.sum(np.exp(first))),
+            prompt_sha256=branches[0].prompt_sha256,
+        )
+        if settings.orderings is not None:
+            answer.combined = orderings.combine(names, [o.order for o in branches], per_option)
+            answer.probabilities = np.array(answer.combined.probabilities)
+            answer.order_probabilities = per_option
+        if settings.workload is not None:
+            temperature = self.calibration.workloads[settings.workload].temperature
+            answer.temperature = temperature
+            answer.calibrated = orderings.by_id(
+                lambda x: apply_temperature(x, temperature), np.log(answer.probabilities), names
+            )
+        return answer
+
+
+def prompt_digest(answers: list[TypedAnswer]) -> str:
+    """One sha256 over a request's prompts (each question's listed order), in the request's order."""
+    digest = hashlib.sha256()
+    for a in answers:
+        digest.update(bytes.fromhex(a.prompt_sha256))
+    return digest.hexdigest()
+
+
+def finite(x: float) -> float:
+    """A probability as JSON can carry it (a NaN never leaves the server)."""
+    return x if math.isfinite(x) else 0.0

@@ -126,7 +126,10 @@ class DecisionApis:
         body = planned.body
         return openai_decisions.Response(
             model=self.model_name,
-            answers=[openai_decisions.answer(q, a) for q, a in zip(body.questions, answers, strict=True)],
+            answers=[
+                openai_decisions.answer(q, a, body.x_refusal_below)
+                for q, a in zip(body.questions, answers, strict=True)
+            ],
             usage=openai_decisions.usage(planned.plan.input_tokens),
             x_system_fingerprint=self.engine.fingerprint,
             x_prompt_version=self.reader.version,

@@ -21,7 +21,8 @@ from spinf_jax import typed
 from spinf_jax.errors import ScoringError
 
 # Below half: the model's answer is more likely something other than a listed option than any of them
-# together. The share is `x_option_mass` on every answer, so a caller can apply a stricter bar.
+# together. The share is `x_option_mass` on every answer; `x_refusal_below` sets another bar (0: never
+# refuse), as small base models put much of their mass elsewhere.
 REFUSAL_MASS = 0.5
 MAX_QUESTIONS = 400  # the SDK's documented "1–400 questions"
 
@@ -85,6 +86,9 @@ class Request(Struct, kw_only=True):
     safety_identifier: str | None = None
     x_orderings: Literal["rotations", "all"] | None = None
     x_workload: str | None = None
+    x_refusal_below: Annotated[
+        float, Meta(ge=0, le=1, description="refuse where the options hold less of the probability than this")
+    ] = REFUSAL_MASS
 
 
 class ChoiceProbability(Struct, kw_only=True):
@@ -208,13 +212,13 @@ def questions(body: Request) -> list[typed.TypedQuestion]:
     return out
 
 
-def answer(q: Question, a: typed.TypedAnswer) -> Answer:
+def answer(q: Question, a: typed.TypedAnswer, refusal_below: float = REFUSAL_MASS) -> Answer:
     extras = {"name": q.name, "x_option_mass": a.option_mass, "x_prompt_sha256": a.prompt_sha256}
     if a.combined is not None:
         extras["x_agreement"] = a.combined.agreement
     if a.calibrated is not None:
         extras["x_calibrated"] = [float(x) for x in a.calibrated]
-    if a.option_mass < REFUSAL_MASS:
+    if a.option_mass < refusal_below:
         return Refusal(**extras)
     p = [float(x) for x in a.probabilities]
     if isinstance(q, Predicate):

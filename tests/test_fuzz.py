@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from litestar.testing import TestClient
 
-from spinf_jax import api
+from spinf_jax import api, openai_decisions, systemone
 from spinf_jax.decoding import MAX_DEPTH
 from spinf_jax.errors import CODES
 from spinf_jax.server.app import Settings, create_app
@@ -33,6 +33,12 @@ from tests.spec_example import QUERY_POOL
 
 MODEL = "spinf/gemma-3-270m"
 ROUTES = {"/v1/score": api.ScoreResponse, "/v1/chat/completions": api.ChatCompletion}
+# The decision APIs answer errors in their clients' shapes: 422 {"detail": [...]}, else {"detail": {...}}.
+DECISION_ROUTES = {
+    "/v1/systemone": systemone.Response,
+    "/v1/systemone/batch": systemone.BatchResponse,
+    "/v1/decisions": openai_decisions.Response,
+}
 BULK_BODIES = examples(10_000)
 ENGINE_BODIES = examples(12)
 FIXED = {
@@ -283,7 +289,16 @@ def _answered(response, path: str) -> None:
     """The property: a 200 with the route's body, or a refusal in the envelope under its documented status."""
     status = response.status_code
     if status == 200:
-        msgspec.json.decode(response.content, type=ROUTES[path])
+        msgspec.json.decode(response.content, type=(ROUTES | DECISION_ROUTES)[path])
+        return
+    assert status < 500, response.text
+    if path in DECISION_ROUTES:
+        detail = response.json()["detail"]
+        if status == 422:
+            assert all({"loc", "msg", "type"} <= set(item) for item in detail), detail
+        else:
+            assert {"error_type", "message"} <= set(detail), detail
+        assert response.headers["x-typesafe-request-id"] == response.headers["x-request-id"]
         return
     envelope = msgspec.json.decode(response.content, type=api.ErrorEnvelope)
     assert status < 500, response.text
@@ -299,7 +314,7 @@ def test_no_body_gets_a_5xx_and_the_bits_stay(client, monkeypatch):
             schema["components"]["schemas"],
         )
         | valid_requests
-        for path in ROUTES
+        for path in ROUTES | DECISION_ROUTES
     }
     before = client.post("/v1/score", json=FIXED)
     assert before.status_code == 200, before.text
@@ -308,7 +323,7 @@ def test_no_body_gets_a_5xx_and_the_bits_stay(client, monkeypatch):
     @settings(FUZZ, max_examples=-(-BULK_BODIES // len(MUTATIONS)))
     @given(data=st.data())
     def bulk_bodies(data):
-        path = data.draw(st.sampled_from(list(ROUTES)))
+        path = data.draw(st.sampled_from(list(ROUTES | DECISION_ROUTES)))
         document = data.draw(documents[path])
         # a document costs more to draw than its bodies to post: each mutation of it
         bodies = [mutate(data, document) for mutate in MUTATIONS]
@@ -323,9 +338,11 @@ def test_no_body_gets_a_5xx_and_the_bits_stay(client, monkeypatch):
         _answered(response, path)
         scored.append(response.status_code == 200)
 
-    scorer = client.app.state.server.service.scorer
+    service = client.app.state.server.service
+    scorer, reader = service.scorer, service.apis.reader
     with monkeypatch.context() as patch:
         patch.setattr(scorer, "limits", dataclasses.replace(scorer.limits, max_request_tokens=1))
+        patch.setattr(reader, "limits", dataclasses.replace(reader.limits, max_request_tokens=1))
         bulk_bodies()
     engine_bodies()
     assert len(posted) >= BULK_BODIES and sum(scored) >= ENGINE_BODIES // 2

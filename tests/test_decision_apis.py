@@ -1,0 +1,306 @@
+"""The decision APIs of the field: System One (/v1/systemone, its batch form) and OpenAI's Decisions API
+(/v1/decisions), through the library, over HTTP, through the official SDKs, and against the conformance
+suite jevcompat; every answer bit-identical whatever else is asked, under whatever id, in whatever order,
+alone or in a batch."""
+
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import typesafe_sdk
+import zstandard
+
+from spinf_jax import systemone
+from spinf_jax.decision_apis import DecisionApis
+from spinf_jax.decoding import convert
+from spinf_jax.errors import ScoringError
+from spinf_jax.models.layers import TreeBatch
+from spinf_jax.server.app import Settings, create_app
+from tests import engines
+from tests.serving import serving
+
+STATE = (
+    "Hi, I was charged twice for my March invoice (order #4471) and the refund I was promised last week "
+    "still hasn't arrived. Please fix this today or I will dispute the charge with my bank."
+)
+REFUND = {"type": "noul", "instructions": "Is the customer asking for money back?"}
+TEAM = {
+    "type": "choice",
+    "instructions": "Which team should handle this ticket?",
+    "criteria": {
+        "Billing": "Payments, invoices, refunds",
+        "Technical": None,
+        "판매 🙂": {"covers": ["pricing"]},
+    },
+}
+ANGER = {
+    "type": "score",
+    "instructions": "How frustrated is the customer?",
+    "criteria": ["Calm", "Upset", ["Very", "angry"]],
+}
+URGENT = {"type": "noul", "criteria": {"true": "The customer needs an answer today"}}
+QUESTIONS = {"refund": REFUND, "team": TEAM, "anger": ANGER, "urgent": URGENT}
+
+
+@pytest.fixture(scope="module")
+def apis(gemma_engine):
+    return DecisionApis(gemma_engine)
+
+
+def _values(answer: dict) -> list:
+    """An answer's numbers, as they were sent: compared with ==, bit for bit."""
+    return [answer.get(k) for k in ("noul", "choice", "probabilities", "score", "confidence", "x_residual")]
+
+
+def test_every_type_is_answered_as_system_one_defines_it(apis):
+    reply = apis.systemone({"model": "jev-latest", "state": STATE, "questions": QUESTIONS})
+    assert reply["model"] == "spinf/gemma-3-270m"
+    assert list(reply["answers"]) == list(QUESTIONS)
+    usage = reply["usage"]
+    assert (
+        isinstance(usage["input_tokens"], int) and usage["input_tokens"] > 60 and usage["output_tokens"] == 0
+    )
+    a = reply["answers"]
+    assert a["refund"]["type"] == "noul" and 0 <= a["refund"]["noul"] <= 1 and "confidence" not in a["refund"]
+    team = a["team"]
+    assert list(team["probabilities"]) == list(TEAM["criteria"])  # names byte for byte, in order
+    assert math.isclose(sum(team["probabilities"].values()), 1, abs_tol=1e-9)
+    assert team["choice"] == max(team["probabilities"], key=team["probabilities"].get)
+    m, n = max(team["probabilities"].values()), 3
+    assert math.isclose(team["confidence"], (m - 1 / n) / (1 - 1 / n), abs_tol=1e-12)
+    anger = a["anger"]
+    p = [anger["probabilities"][str(i)] for i in range(3)]
+    assert anger["legend"] == {"0": "Calm", "1": "Upset", "2": ["Very", "angry"]}
+    assert math.isclose(anger["score"], sum(i * x for i, x in enumerate(p)), abs_tol=1e-12)
+    k, spread = int(np.argmax(p)), np.mean(np.abs(np.arange(3) - 1))
+    expected = max(0.0, 1 - sum(x * abs(i - k) for i, x in enumerate(p)) / spread)
+    assert math.isclose(anger["confidence"], expected, abs_tol=1e-12)
+    for answer in a.values():
+        assert 0 <= answer["x_residual"] <= 1 and len(answer["x_prompt_sha256"]) == 64
+    assert reply["x_prompt_version"] == "typed-options-plain-v1"  # Gemma 3 270M is a base model
+
+
+def test_an_answer_does_not_depend_on_what_else_is_asked(apis):
+    """Renamed ids, other questions, another order, alone: each question's answer keeps every bit."""
+    base = apis.systemone({"state": STATE, "questions": QUESTIONS})["answers"]
+    renamed = {f"q-{i} ✓": q for i, q in enumerate(QUESTIONS.values())}
+    language = {"type": "choice", "instructions": "Language?", "criteria": {"English": None, "Other": None}}
+    renamed_answers = apis.systemone({"state": STATE, "questions": renamed})["answers"].values()
+    variants = [
+        dict(zip(QUESTIONS, renamed_answers, strict=True)),
+        apis.systemone({"state": STATE, "questions": dict(reversed(QUESTIONS.items()))})["answers"],
+        apis.systemone({"state": STATE, "questions": {"team": TEAM}})["answers"],
+        apis.systemone({"state": STATE, "questions": {"other": language, **QUESTIONS}})["answers"],
+    ]
+    for variant in variants:
+        for qid, answer in variant.items():
+            if qid in base:
+                assert _values(answer) == _values(base[qid]), qid
+
+
+def test_a_batch_is_each_state_asked_alone(apis):
+    states = [STATE, "The app crashes when I open settings.", {"ticket": 7, "text": "Cancel my plan"}]
+    batch = apis.systemone_batch({"states": states, "questions": QUESTIONS})
+    alone = [apis.systemone({"state": s, "questions": QUESTIONS}) for s in states]
+    assert [r["answers"] for r in batch["results"]] == [r["answers"] for r in alone]
+    assert [r["usage"] for r in batch["results"]] == [r["usage"] for r in alone]
+    assert batch["total_usage"]["input_tokens"] == sum(r["usage"]["input_tokens"] for r in alone)
+
+
+def test_orderings_and_a_prompt_the_model_reads_as_written(apis, gemma_engine):
+    """With x_orderings every rotation is a branch of the same read: agreement and spread come back; and
+    the listed order's labels are what one plain forward of the whole prompt gives them."""
+    reply = apis.systemone({"state": STATE, "questions": {"team": TEAM}, "x_orderings": "rotations"})
+    team = reply["answers"]["team"]
+    assert team["x_agreement"] in (1 / 3, 2 / 3, 1.0) and 0 <= team["x_spread"] <= 1
+    plan = apis.plan_systemone(convert({"state": STATE, "questions": {"team": TEAM}}, systemone.Request))
+    (answer,) = apis.reader.answers(plan.plan, gemma_engine.score_trees(plan.trees))[0]
+    form = apis.reader.format
+    text, _ = form.render(STATE, TEAM["instructions"], list(answer.question.shown))
+    ids = form.tokenizer.encode(text)
+    ids = ids if ids[:1] == form.tokenizer.prefix() else form.tokenizer.prefix() + ids
+    model = gemma_engine.model
+    hidden = model.hidden(TreeBatch.sequence(ids))
+    labels = np.asarray(form.label_ids[:3], np.int32)[None, :]
+    lp, _ = model.logprobs(hidden[len(ids) - 1 : len(ids)], labels)
+    p = np.exp(np.asarray(lp[0], np.float64))
+    np.testing.assert_allclose(answer.probabilities, p / p.sum(), atol=2e-4)
+    assert answer.option_mass == pytest.approx(p.sum(), abs=2e-4)
+
+
+BAD = {
+    "box": ({"b": {"type": "box", "instructions": "Where?"}}, "question_type_unsupported"),
+    "one option": ({"t": {"type": "choice", "criteria": {"A": None}}}, "option_count"),
+    "256 options": (
+        {"t": {"type": "choice", "criteria": {str(i): None for i in range(256)}}},
+        "option_count",
+    ),
+    "11 levels": ({"s": {"type": "score", "criteria": [str(i) for i in range(11)]}}, "option_count"),
+    "map-form score": ({"s": {"type": "score", "criteria": {"0": "low", "1": "high"}}}, "invalid_request"),
+    "null level": ({"s": {"type": "score", "criteria": ["low", None]}}, "invalid_request"),
+    "bare noul": ({"n": {"type": "noul"}}, "invalid_request"),
+    "no questions": ({}, "invalid_request"),
+    "unknown type": ({"n": {"type": "boolean", "instructions": "?"}}, "invalid_request"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_questions_are_refused_naming_the_field(apis, case):
+    questions, code = BAD[case]
+    with pytest.raises(ScoringError) as e:
+        apis.systemone({"state": STATE, "questions": questions})
+    assert e.value.code == code and e.value.status == 400, e.value.message
+
+
+def test_openai_decisions_answer_in_order_with_typed_values(apis):
+    body = {
+        "model": "gpt-6-luna",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": STATE}]}],
+        "questions": [
+            {"type": "predicate", "name": "refund", "instructions": REFUND["instructions"]},
+            {"type": "choice", "instructions": "Is this about billing?",
+             "choices": [{"value": True, "description": "billing"}, {"value": "true"}, {"value": "no"}]},
+            {"type": "score", "name": "anger", "instructions": "How angry?",
+             "levels": [{"label": "calm"}, {"label": "angry", "description": "threatens action"}]},
+        ],
+        "x_refusal_below": 0,
+    }  # fmt: skip
+    reply = apis.decisions(body)
+    refund, choice, anger = reply["answers"]
+    assert (refund["type"], refund["name"]) == ("predicate", "refund") and 0 <= refund["probability"] <= 1
+    assert choice["name"] is None and [p["value"] for p in choice["probabilities"]] == [True, "true", "no"]
+    assert choice["choice"] in (True, "true", "no")
+    assert [(p["value"], p["label"]) for p in anger["probabilities"]] == [(0, "calm"), (1, "angry")]
+    assert reply["usage"]["total_tokens"] == reply["usage"]["input_tokens"] > 0
+    # the same question as System One's noul, over the same state: the same bits
+    same = apis.systemone({"state": STATE, "questions": {"r": REFUND}})["answers"]["r"]
+    assert refund["probability"] == same["noul"]
+    refused = apis.decisions({**body, "x_refusal_below": 1})
+    assert [a["type"] for a in refused["answers"]] == ["refusal"] * 3
+    assert [a["name"] for a in refused["answers"]] == ["refund", None, "anger"]
+    twice = {"type": "choice", "instructions": "?", "choices": [{"value": "a"}, {"value": "a"}]}
+    with pytest.raises(ScoringError) as e:
+        apis.decisions({**body, "questions": [twice]})
+    assert e.value.code == "duplicate_option"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Over HTTP: a server whose largest bucket holds 255 described options (serve's 6,144 rows on the CPU)
+
+
+@pytest.fixture(scope="module")
+def engine_6k():
+    return engines.engine("spinf/gemma-3-270m", sizes=(256, 1024, 6144))
+
+
+@pytest.fixture(scope="module")
+def url(engine_6k):
+    with serving(create_app(Settings("spinf/gemma-3-270m"), engine_6k)) as url:
+        yield url
+
+
+def _jevcompat(url: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    tool = Path(sys.executable).parent / "jevcompat"
+    return subprocess.run(
+        [str(tool), "test", url, "--timeout", "300", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+
+
+@pytest.mark.slow  # 100 s on the 2-core machine: the suite's semantics cases send each request many times
+def test_jevcompat_finds_the_server_conformant(url):
+    run = _jevcompat(url)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "conformant to spec" in run.stdout and "MUST 32/32" in run.stdout
+
+
+@pytest.mark.slow
+def test_jevcompat_finds_the_server_conformant_with_a_key(engine_6k):
+    with serving(create_app(Settings("spinf/gemma-3-270m", api_keys=("s1-key",)), engine_6k)) as keyed:
+        run = _jevcompat(keyed, "--key-env", "S1_KEY", env={**os.environ, "S1_KEY": "s1-key"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "auth.bearer" in run.stdout and "SHOULD 15/15" in run.stdout
+
+
+def test_the_official_sdk_parses_every_answer_from_a_zstd_body(url):
+    """typesafe-sdk compresses bodies of 1 KiB and more with zstd (its `zstd` extra is installed here)."""
+    client = typesafe_sdk.TypeSafeClient(base_url=url, api_key="unused", compression="zstd")
+    long_state = STATE + " " + "More context about the order. " * 60  # over 1 KiB: sent compressed
+    reply = client.system_one(long_state, {"refund": REFUND, "team": TEAM, "anger": ANGER})
+    assert reply.model == "spinf/gemma-3-270m" and reply.request_id.startswith("req_")
+    assert 0 <= reply.nouls["refund"].noul <= 1
+    assert reply.choices["team"].choice in TEAM["criteria"]
+    assert reply.answers["anger"].legend[2] == ["Very", "angry"]  # the SDK keys levels by integer
+    plain = httpx.post(f"{url}/v1/systemone", json={"state": long_state, "questions": {"team": TEAM}})
+    assert reply.answers["team"].probabilities == plain.json()["answers"]["team"]["probabilities"]
+    listed = client.models.list()
+    assert [m.name for m in listed.models] == ["spinf/gemma-3-270m"]
+
+
+def test_the_openai_sdk_parses_every_decision_type(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    decision = client.decisions.create(
+        model="gpt-6-luna",
+        input=STATE,
+        questions=[
+            {"type": "predicate", "name": "refund", "instructions": "Is a refund asked for?"},
+            {"type": "choice", "instructions": "Team?", "choices": [{"value": "billing"}, {"value": False}]},
+            {"type": "score", "instructions": "Anger?", "levels": [{"label": "calm"}, {"label": "angry"}]},
+        ],
+        extra_body={"x_refusal_below": 0},
+    )
+    assert [a.type for a in decision.answers] == ["predicate", "choice", "score"]
+    assert decision.answers[1].probabilities[1].value is False
+    assert decision.usage.total_tokens > 0
+    assert [m.id for m in client.models.list().data] == ["spinf/gemma-3-270m"]
+
+
+def test_errors_come_in_the_shapes_decision_clients_parse(url):
+    bad = httpx.post(f"{url}/v1/systemone", json={"state": STATE, "questions": {"q.1": {"type": "boolean"}}})
+    assert bad.status_code == 422 and bad.headers["x-typesafe-request-id"].startswith("req_")
+    (item,) = bad.json()["detail"]
+    assert item["loc"][:2] == ["body", "questions"] and item["type"] == "invalid_request"
+    missing = httpx.post(f"{url}/v1/decisions", json={"input": "x"})
+    assert missing.status_code == 422 and missing.json()["detail"][0]["loc"] == ["body", "questions"]
+    unknown = httpx.post(
+        f"{url}/v1/systemone", json={"model": "nope", "state": "x", "questions": {"r": REFUND}}
+    )
+    assert unknown.status_code == 404 and unknown.json()["detail"]["error_type"] == "not_found_error"
+    not_json = httpx.post(f"{url}/v1/systemone", content=b"{", headers={"content-type": "application/json"})
+    assert not_json.status_code == 422 and not_json.json()["detail"][0]["type"] == "invalid_json"
+    ours = httpx.post(f"{url}/v1/score", json={"messages": []})  # our own routes keep our envelope
+    assert ours.status_code == 400 and "error" in ours.json()
+
+
+def test_compressed_bodies_on_every_route_and_bombs_refused(url):
+    body = json.dumps({"state": STATE, "questions": {"r": REFUND}}).encode()
+    plain = httpx.post(f"{url}/v1/systemone", content=body, headers={"content-type": "application/json"})
+    for encoding, data in (
+        ("gzip", gzip.compress(body)),
+        ("zstd", zstandard.ZstdCompressor().compress(body)),
+    ):
+        reply = httpx.post(f"{url}/v1/systemone", content=data, headers={"content-encoding": encoding})
+        assert reply.status_code == 200 and reply.json()["answers"] == plain.json()["answers"]
+    query = {"id": "r", "template": "\n\nRefund?{?}", "options": [" yes", " no"]}
+    score = {"messages": [{"role": "user", "content": STATE}], "scoring": {"queries": [query]}}
+    zipped = httpx.post(f"{url}/v1/score", content=gzip.compress(json.dumps(score).encode()),
+                        headers={"content-encoding": "gzip"})  # fmt: skip
+    assert zipped.status_code == 200, zipped.text
+    bomb = zstandard.ZstdCompressor().compress(b" " * 40_000_000)  # 40 MB in about 1 KB
+    for path, shape in (("/v1/systemone", "detail"), ("/v1/score", "error")):
+        refused = httpx.post(f"{url}{path}", content=bomb, headers={"content-encoding": "zstd"})
+        assert refused.status_code == 413 and shape in refused.json()
+    odd = httpx.post(f"{url}/v1/systemone", content=b"x", headers={"content-encoding": "br"})
+    assert odd.status_code == 400 and "zstd" in odd.json()["detail"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 200

@@ -26,6 +26,8 @@ import httpx
 import msgspec
 
 from spinf_jax import api
+from spinf_jax.openai_decisions import DecisionsResponse
+from spinf_jax.systemone import SystemOneBatchResponse, SystemOneResponse
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 MAX_BODY_BYTES = 2 * 1024 * 1024  # the server's request_max_body_size (the hosted API's too)
@@ -75,10 +77,23 @@ def _raise_for(response: httpx.Response) -> None:
         return
     try:
         envelope = msgspec.json.decode(response.content)
-        error = envelope["error"]
-        code, message, param = str(error["code"]), str(error.get("message", "")), error.get("param")
-        request_id = envelope.get("request_id")
-    except (msgspec.DecodeError, KeyError, TypeError):
+        request_id = envelope.get("request_id") or response.headers.get("x-request-id")
+        if "detail" in envelope:  # the decision APIs' shapes: 422 [{loc, msg, type}], else {error_type, ...}
+            detail = envelope["detail"]
+            if isinstance(detail, list):
+                first = detail[0]
+                param = ".".join(str(step) for step in first["loc"][1:]) or None
+                code, message = str(first["type"]), str(first["msg"])
+            else:
+                code, message, param = (
+                    str(detail.get("code", detail["error_type"])),
+                    str(detail["message"]),
+                    None,
+                )
+        else:
+            error = envelope["error"]
+            code, message, param = str(error["code"]), str(error.get("message", "")), error.get("param")
+    except (msgspec.DecodeError, KeyError, TypeError, IndexError):
         code, message, param, request_id = "http_error", response.text[:500], None, None
     raise ApiError(response.status_code, code, message, param, request_id)
 
@@ -194,6 +209,18 @@ class Client(_Base):
     def decide_shared(self, body: dict) -> api.SharedDecisions:
         return self._post("/decide/shared", body, api.SharedDecisions)
 
+    def systemone(self, body: dict) -> SystemOneResponse:
+        """System One: {state, questions: {id: {type, instructions?, criteria?}}} (docs/decision-apis.md)."""
+        return self._post("/v1/systemone", body, SystemOneResponse)
+
+    def systemone_batch(self, body: dict) -> SystemOneBatchResponse:
+        """{states: [...], questions: {...}}: one System One reply per state, packed in shared passes."""
+        return self._post("/v1/systemone/batch", body, SystemOneBatchResponse)
+
+    def decisions(self, body: dict) -> DecisionsResponse:
+        """OpenAI's Decisions API: {input, questions: [predicate | choice | score]}."""
+        return self._post("/v1/decisions", body, DecisionsResponse)
+
     def health(self) -> api.Health:
         return msgspec.json.decode(self._http.get("/health").content, type=api.Health)
 
@@ -260,6 +287,15 @@ class AsyncClient(_Base):
 
     async def decide_shared(self, body: dict) -> api.SharedDecisions:
         return await self._post("/decide/shared", body, api.SharedDecisions)
+
+    async def systemone(self, body: dict) -> SystemOneResponse:
+        return await self._post("/v1/systemone", body, SystemOneResponse)
+
+    async def systemone_batch(self, body: dict) -> SystemOneBatchResponse:
+        return await self._post("/v1/systemone/batch", body, SystemOneBatchResponse)
+
+    async def decisions(self, body: dict) -> DecisionsResponse:
+        return await self._post("/v1/decisions", body, DecisionsResponse)
 
     async def health(self) -> api.Health:
         return msgspec.json.decode((await self._http.get("/health")).content, type=api.Health)

@@ -6,6 +6,7 @@ of one read of its state), scored in the engine's shared passes, and finished in
     apis.systemone({"model": "jev-latest", "state": "...", "questions": {...}})   # Python objects in and out
 """
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,7 @@ class Planned:
     """A decision request's trees, and what its reply needs besides their scores."""
 
     plan: typed.TypedPlan
-    body: systemone.Request | systemone.BatchRequest | openai_decisions.Request
+    body: systemone.SystemOneRequest | systemone.SystemOneBatchRequest | openai_decisions.DecisionsRequest
     ids: list[str]  # System One's question ids, in request order
 
     @property
@@ -70,23 +71,27 @@ class DecisionApis:
 
     # ---- planning (worker threads)
 
-    def plan_systemone(self, body: systemone.Request) -> Planned:
-        ids, questions = systemone.questions(body.questions)
-        plan = self.reader.plan([body.state], questions, systemone.settings(body), ["state"])
+    def plan_systemone(self, body: systemone.SystemOneRequest) -> Planned:
+        if body.assets:
+            raise ScoringError(
+                "unsupported_content", "image assets are not read on the decision routes yet", "assets"
+            )
+        ids, questions = systemone_questions(body.questions)
+        plan = self.reader.plan([body.state], questions, systemone_settings(body), ["state"])
         return Planned(plan, body, ids)
 
-    def plan_systemone_batch(self, body: systemone.BatchRequest) -> Planned:
-        ids, questions = systemone.questions(body.questions)
+    def plan_systemone_batch(self, body: systemone.SystemOneBatchRequest) -> Planned:
+        ids, questions = systemone_questions(body.questions)
         if len(body.states) > self.limits.max_inputs:
             most = self.limits.max_inputs
             raise ScoringError("too_many_inputs", f"{len(body.states):,} states; at most {most:,}", "states")
         params = [f"states[{i}]" for i in range(len(body.states))]
-        return Planned(self.reader.plan(body.states, questions, systemone.settings(body), params), body, ids)
+        return Planned(self.reader.plan(body.states, questions, systemone_settings(body), params), body, ids)
 
-    def plan_decisions(self, body: openai_decisions.Request) -> Planned:
-        questions = openai_decisions.questions(body)
+    def plan_decisions(self, body: openai_decisions.DecisionsRequest) -> Planned:
+        questions = openai_questions(body)
         settings = typed.Settings(orderings=body.x_orderings, workload=body.x_workload)
-        state = openai_decisions.state(body)
+        state = openai_state(body)
         return Planned(self.reader.plan([state], questions, settings, ["input"]), body, [])
 
     # ---- finishing (finisher threads)
@@ -97,37 +102,41 @@ class DecisionApis:
 
     def _systemone_reply(self, planned: Planned, answers: list[typed.TypedAnswer], tokens: int):
         workload = planned.plan.settings.workload
-        return systemone.Response(
+        return systemone.SystemOneResponse(
             model=self.model_name,
-            answers={qid: systemone.answer(a, workload) for qid, a in zip(planned.ids, answers, strict=True)},
-            usage=systemone.Usage(input_tokens=tokens),
+            answers={qid: systemone_answer(a, workload) for qid, a in zip(planned.ids, answers, strict=True)},
+            usage=systemone.SystemOneUsage(input_tokens=tokens),
             x_system_fingerprint=self.engine.fingerprint,
             x_prompt_version=self.reader.version,
         )
 
-    def finish_systemone(self, planned: Planned, scored: list["Scored"]) -> systemone.Response:
+    def finish_systemone(self, planned: Planned, scored: list["Scored"]) -> systemone.SystemOneResponse:
         (answers,) = self.reader.answers(planned.plan, scored)
         return self._systemone_reply(planned, answers, planned.plan.input_tokens)
 
-    def finish_systemone_batch(self, planned: Planned, scored: list["Scored"]) -> systemone.BatchResponse:
+    def finish_systemone_batch(
+        self, planned: Planned, scored: list["Scored"]
+    ) -> systemone.SystemOneBatchResponse:
         per_state = self.reader.answers(planned.plan, scored)
         results = [
             self._systemone_reply(planned, answers, planned.plan.state_tokens(i))
             for i, answers in enumerate(per_state)
         ]
-        return systemone.BatchResponse(
+        return systemone.SystemOneBatchResponse(
             model=self.model_name,
             results=results,
-            total_usage=systemone.Usage(input_tokens=planned.plan.input_tokens),
+            total_usage=systemone.SystemOneUsage(input_tokens=planned.plan.input_tokens),
         )
 
-    def finish_decisions(self, planned: Planned, scored: list["Scored"]) -> openai_decisions.Response:
+    def finish_decisions(
+        self, planned: Planned, scored: list["Scored"]
+    ) -> openai_decisions.DecisionsResponse:
         (answers,) = self.reader.answers(planned.plan, scored)
         body = planned.body
-        return openai_decisions.Response(
+        return openai_decisions.DecisionsResponse(
             model=self.model_name,
             answers=[
-                openai_decisions.answer(q, a, body.x_refusal_below)
+                openai_answer(q, a, body.x_refusal_below)
                 for q, a in zip(body.questions, answers, strict=True)
             ],
             usage=openai_decisions.usage(planned.plan.input_tokens),
@@ -143,12 +152,198 @@ class DecisionApis:
 
     def systemone(self, body: dict) -> dict:
         """A System One request → its reply."""
-        return self._run(body, systemone.Request, self.plan_systemone, self.finish_systemone)
+        return self._run(body, systemone.SystemOneRequest, self.plan_systemone, self.finish_systemone)
 
     def systemone_batch(self, body: dict) -> dict:
         """{states: [...], questions: {...}} → {results: [one reply per state], total_usage}."""
-        return self._run(body, systemone.BatchRequest, self.plan_systemone_batch, self.finish_systemone_batch)
+        return self._run(
+            body, systemone.SystemOneBatchRequest, self.plan_systemone_batch, self.finish_systemone_batch
+        )
 
     def decisions(self, body: dict) -> dict:
         """An OpenAI Decisions request → its reply."""
-        return self._run(body, openai_decisions.Request, self.plan_decisions, self.finish_decisions)
+        return self._run(body, openai_decisions.DecisionsRequest, self.plan_decisions, self.finish_decisions)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# System One ↔ typed questions
+
+
+def systemone_questions(
+    asked: dict[str, systemone.SystemOneQuestion],
+) -> tuple[list[str], list[typed.TypedQuestion]]:
+    """The request's questions as typed questions, with their ids; raises ScoringError naming the field."""
+    if not asked:
+        raise ScoringError("invalid_request", "questions is empty: ask at least one", "questions")
+    ids, out = [], []
+    for qid, q in asked.items():
+        param = f"questions.{qid}"
+        if not qid:
+            raise ScoringError("invalid_request", "a question id is empty", "questions")
+        out.append(_systemone_question(q, param))
+        ids.append(qid)
+    return ids, out
+
+
+def _systemone_question(q: systemone.SystemOneQuestion, param: str) -> typed.TypedQuestion:
+    criteria = q.criteria
+    if q.type == "box":
+        raise ScoringError(
+            "question_type_unsupported",
+            "box questions locate things in images; this server answers noul, choice and score",
+            f"{param}.type",
+        )
+    if q.type == "noul":
+        if criteria is None:
+            criteria = {}
+        if not isinstance(criteria, dict) or set(criteria) - {"true", "false"}:
+            raise ScoringError(
+                "invalid_request", 'a noul\'s criteria is {"true": ..., "false": ...}, either side optional',
+                f"{param}.criteria",
+            )  # fmt: skip
+        _texts(criteria.values(), f"{param}.criteria", allow_null=True)
+        if q.instructions is None and not any(v is not None for v in criteria.values()):
+            raise ScoringError(
+                "invalid_request", "a noul needs instructions, or criteria that describe its outcomes",
+                f"{param}.instructions",
+            )  # fmt: skip
+        return typed.noul(q.instructions, criteria.get("true"), criteria.get("false"), param)
+    if q.type == "choice":
+        if not isinstance(criteria, dict) or not criteria:
+            raise ScoringError(
+                "invalid_request", "a choice's criteria is {name: description or null} with 2 to 255 names",
+                f"{param}.criteria",
+            )  # fmt: skip
+        if "" in criteria:
+            raise ScoringError("invalid_request", "an option's name is empty", f"{param}.criteria")
+        _texts(criteria.values(), f"{param}.criteria", allow_null=True)
+        return typed.choice(q.instructions, list(criteria), list(criteria.values()), f"{param}.criteria")
+    if not isinstance(criteria, list) or not criteria:
+        raise ScoringError(
+            "invalid_request", "a score's criteria is a list of level descriptions, lowest first",
+            f"{param}.criteria",
+        )  # fmt: skip
+    _texts(criteria, f"{param}.criteria", allow_null=False)
+    return typed.score(q.instructions, criteria, f"{param}.criteria")
+
+
+def _texts(values, param: str, allow_null: bool) -> None:
+    for v in values:
+        if v is None and allow_null:
+            continue
+        if not isinstance(v, str | dict | list):
+            raise ScoringError(
+                "invalid_request", f"a description is a string, an object or an array, not {v!r:.40}", param
+            )
+
+
+def systemone_settings(body: systemone.SystemOneRequest | systemone.SystemOneBatchRequest) -> typed.Settings:
+    return typed.Settings(orderings=body.x_orderings, workload=body.x_workload)
+
+
+def systemone_answer(a: typed.TypedAnswer, workload: str | None) -> systemone.SystemOneAnswer:
+    q = a.question
+    extras = {"x_residual": max(0.0, 1.0 - a.option_mass), "x_prompt_sha256": a.prompt_sha256}
+    if a.combined is not None:
+        extras.update(x_agreement=a.combined.agreement, x_spread=a.combined.spread)
+    p = {name: float(x) for name, x in zip(q.names, a.probabilities, strict=True)}
+    if a.calibrated is not None:
+        extras["x_calibrated"] = systemone.SystemOneCalibrated(
+            workload=workload, temperature=a.temperature,
+            probabilities={n: float(x) for n, x in zip(q.names, a.calibrated, strict=True)},
+        )  # fmt: skip
+    if q.kind == "noul":
+        return systemone.NoulAnswer(noul=p["true"], **extras)
+    if q.kind == "choice":
+        return systemone.SystemOneChoiceAnswer(
+            choice=a.top, probabilities=p, confidence=a.confidence, **extras
+        )
+    legend = {str(i): shown.get("description") for i, shown in enumerate(q.shown)}
+    return systemone.SystemOneScoreAnswer(
+        score=a.expectation, legend=legend, probabilities=p, confidence=a.confidence, **extras
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# OpenAI's Decisions API ↔ typed questions
+
+
+def _openai_text(parts: str | list[openai_decisions.InputPart], param: str) -> str:
+    """Text parts as they are, JSON parts as compact JSON, one per line; images are refused (no model that
+    reads them is served on this route yet)."""
+    if isinstance(parts, str):
+        return parts
+    out = []
+    for j, part in enumerate(parts):
+        if isinstance(part, openai_decisions.InputImagePart):
+            raise ScoringError(
+                "unsupported_content", "this route reads text and JSON parts; images are not read here",
+                f"{param}[{j}]",
+            )  # fmt: skip
+        out.append(
+            part.text
+            if isinstance(part, openai_decisions.InputTextPart)
+            else json.dumps(part.data, ensure_ascii=False)
+        )
+    return "\n".join(out)
+
+
+def openai_state(body: openai_decisions.DecisionsRequest) -> str:
+    """The input as the state every question reads: text as it is, messages' texts joined by blank lines."""
+    if isinstance(body.input, str):
+        return body.input
+    return "\n\n".join(_openai_text(m.content, f"input[{i}].content") for i, m in enumerate(body.input))
+
+
+def openai_questions(body: openai_decisions.DecisionsRequest) -> list[typed.TypedQuestion]:
+    out = []
+    for i, q in enumerate(body.questions):
+        param = f"questions[{i}]"
+        instructions = _openai_text(q.instructions, f"{param}.instructions")
+        if isinstance(q, openai_decisions.PredicateQuestion):
+            out.append(typed.noul(instructions, param=param))
+        elif isinstance(q, openai_decisions.ChoiceQuestion):
+            # Values are typed: "true" and true are two options; each is shown as the JSON it is.
+            names = [json.dumps(c.value, ensure_ascii=False) for c in q.choices]
+            if len(set(names)) < len(names):
+                raise ScoringError("duplicate_option", "each choice must be unique", f"{param}.choices")
+            descriptions = [c.description for c in q.choices]
+            values = [c.value for c in q.choices]
+            out.append(typed.choice(instructions, names, descriptions, f"{param}.choices", shown_as=values))
+        else:
+            levels = [
+                lv.label if lv.description is None else f"{lv.label}: {lv.description}" for lv in q.levels
+            ]
+            out.append(typed.score(instructions, levels, f"{param}.levels"))
+    return out
+
+
+def openai_answer(
+    q: openai_decisions.DecisionsQuestion, a: typed.TypedAnswer, refusal_below: float
+) -> openai_decisions.DecisionsAnswer:
+    extras = {"name": q.name, "x_option_mass": a.option_mass, "x_prompt_sha256": a.prompt_sha256}
+    if a.combined is not None:
+        extras["x_agreement"] = a.combined.agreement
+    if a.calibrated is not None:
+        extras["x_calibrated"] = [float(x) for x in a.calibrated]
+    if a.option_mass < refusal_below:
+        return openai_decisions.RefusalAnswer(**extras)
+    p = [float(x) for x in a.probabilities]
+    if isinstance(q, openai_decisions.PredicateQuestion):
+        return openai_decisions.PredicateAnswer(probability=p[0], **extras)
+    if isinstance(q, openai_decisions.ChoiceQuestion):
+        probabilities = [
+            openai_decisions.ChoiceProbability(value=c.value, probability=x)
+            for c, x in zip(q.choices, p, strict=True)
+        ]
+        top = q.choices[a.probabilities.argmax()].value
+        return openai_decisions.DecisionsChoiceAnswer(
+            choice=top, probabilities=probabilities, confidence=a.confidence, **extras
+        )
+    probabilities = [
+        openai_decisions.ScoreProbability(value=i, label=lv.label, probability=x)
+        for i, (lv, x) in enumerate(zip(q.levels, p, strict=True))
+    ]
+    return openai_decisions.DecisionsScoreAnswer(
+        score=a.expectation, probabilities=probabilities, confidence=a.confidence, **extras
+    )

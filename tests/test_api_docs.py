@@ -1,7 +1,7 @@
-"""docs/api.md documents every field of every body: one table per msgspec Struct that the routes decode or
-answer with (spinf_jax.api), checked both ways. A field added to a Struct without a row fails, and so does a
-row (or a table) left for a field (or a Struct) that is gone. The prose stays written by hand; this only
-checks that it covers the schemas."""
+"""docs/api.md (and docs/decision-apis.md, for the decision APIs) document every field of every body: one
+table per msgspec Struct that the routes decode or answer with, checked both ways. A field added to a Struct
+without a row fails, and so does a row (or a table) left for a field (or a Struct) that is gone. The prose
+stays written by hand; this only checks that it covers the schemas."""
 
 import re
 from functools import cache
@@ -10,18 +10,21 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from spinf_jax import api
+from spinf_jax import api, openai_decisions, systemone
 from spinf_jax.server.app import Settings, create_app
 
-API_MD = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+API_MDS = (DOCS / "api.md", DOCS / "decision-apis.md")
 # The routes' bodies: what the server decodes, and what it answers with (errors included).
 REQUESTS = (
     *(api.ScoreRequest, api.ChatCompletionRequest, api.DecideRequest, api.SharedDecideRequest),
     api.ProfileRequest,
+    *(systemone.SystemOneRequest, systemone.SystemOneBatchRequest, openai_decisions.DecisionsRequest),
 )
 RESPONSES = (
     *(api.ScoreResponse, api.ChatCompletion, api.DecisionResult, api.SharedDecisions),
     *(api.ModelList, api.PackList, api.Health, api.ProfileResult, api.ErrorEnvelope),
+    *(systemone.SystemOneResponse, systemone.SystemOneBatchResponse, openai_decisions.DecisionsResponse),
 )
 HEADING = re.compile(r"^#+ (.*)$", re.M)
 STRUCT_NAME = re.compile(r"`([A-Z]\w*)`")
@@ -69,9 +72,15 @@ def fields(struct: type[msgspec.Struct]) -> dict[str, bool]:
 
 @cache
 def tables() -> dict[tuple[str, ...], dict[str, str]]:
-    """docs/api.md's tables of Structs: the Struct names of a heading → {field: its type cell} of the table
-    under it (the first cell of each row names the field)."""
-    text = API_MD.read_text()
+    """The docs' tables of Structs: the Struct names of a heading → {field: its type cell} of the table under
+    it (the first cell of each row names the field)."""
+    out = {}
+    for path in API_MDS:
+        out |= _tables(path.read_text())
+    return out
+
+
+def _tables(text: str) -> dict[tuple[str, ...], dict[str, str]]:
     headings = list(HEADING.finditer(text))
     out = {}
     for heading, following in zip(headings, [*headings[1:], None], strict=True):
@@ -93,6 +102,7 @@ def tables() -> dict[tuple[str, ...], dict[str, str]]:
 
 STRUCTS = reachable(REQUESTS + RESPONSES)
 REQUEST_STRUCTS = reachable(REQUESTS)
+BY_NAME = {s.__name__: s for s in STRUCTS}
 
 
 def test_the_bodies_are_what_the_server_documents():
@@ -111,15 +121,15 @@ def test_the_bodies_are_what_the_server_documents():
 def test_every_table_is_of_a_struct_that_exists():
     known = {s.__name__ for s in STRUCTS}
     for names in tables():
-        assert set(names) <= known, f"docs/api.md has a table for {set(names) - known}, which is no body's"
+        assert set(names) <= known, f"the docs have a table for {set(names) - known}, which is no body's"
 
 
 @pytest.mark.parametrize("struct", STRUCTS, ids=lambda s: s.__name__)
 def test_each_struct_has_a_table_with_exactly_its_fields(struct):
     mine = [names for names in tables() if struct.__name__ in names]
-    assert len(mine) == 1, f"docs/api.md needs one table headed `{struct.__name__}` (found {len(mine)})"
+    assert len(mine) == 1, f"the docs need one table headed `{struct.__name__}` (found {len(mine)})"
     [names] = mine
-    structs = [getattr(api, name) for name in names]
+    structs = [BY_NAME[name] for name in names]
     wanted = set().union(*(fields(s) for s in structs))
     documented = set(tables()[names])
     assert not wanted - documented, f"{names}: fields without a row in docs/api.md: {wanted - documented}"

@@ -3,6 +3,7 @@
 suite jevcompat; every answer bit-identical whatever else is asked, under whatever id, in whatever order,
 alone or in a batch."""
 
+import asyncio
 import gzip
 import json
 import math
@@ -18,7 +19,8 @@ import pytest
 import typesafe_sdk
 import zstandard
 
-from spinf_jax import systemone
+from spinf_jax import openai_decisions, systemone
+from spinf_jax.client import ApiError, AsyncClient, Client
 from spinf_jax.decision_apis import DecisionApis
 from spinf_jax.decoding import convert
 from spinf_jax.errors import ScoringError
@@ -121,7 +123,9 @@ def test_orderings_and_a_prompt_the_model_reads_as_written(apis, gemma_engine):
     reply = apis.systemone({"state": STATE, "questions": {"team": TEAM}, "x_orderings": "rotations"})
     team = reply["answers"]["team"]
     assert team["x_agreement"] in (1 / 3, 2 / 3, 1.0) and 0 <= team["x_spread"] <= 1
-    plan = apis.plan_systemone(convert({"state": STATE, "questions": {"team": TEAM}}, systemone.Request))
+    plan = apis.plan_systemone(
+        convert({"state": STATE, "questions": {"team": TEAM}}, systemone.SystemOneRequest)
+    )
     (answer,) = apis.reader.answers(plan.plan, gemma_engine.score_trees(plan.trees))[0]
     form = apis.reader.format
     text, _ = form.render(STATE, TEAM["instructions"], list(answer.question.shown))
@@ -304,3 +308,27 @@ def test_compressed_bodies_on_every_route_and_bombs_refused(url):
     odd = httpx.post(f"{url}/v1/systemone", content=b"x", headers={"content-encoding": "br"})
     assert odd.status_code == 400 and "zstd" in odd.json()["detail"]["message"]
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_our_clients_speak_the_decision_apis(url):
+    with Client(url) as client:
+        reply = client.systemone({"state": STATE, "questions": {"refund": REFUND}})
+        assert isinstance(reply.answers["refund"], systemone.NoulAnswer)
+        batch = client.systemone_batch({"states": [STATE], "questions": {"refund": REFUND}})
+        assert batch.results[0].answers == reply.answers
+        decided = client.decisions(
+            {"input": STATE, "questions": [{"type": "predicate", "instructions": "?"}]}
+        )
+        answer_types = (openai_decisions.PredicateAnswer, openai_decisions.RefusalAnswer)
+        assert isinstance(decided.answers[0], answer_types)
+        with pytest.raises(ApiError) as e:
+            client.systemone(
+                {"state": STATE, "questions": {"t": {"type": "choice", "criteria": {"A": None}}}}
+            )
+        assert (e.value.status, e.value.code, e.value.param) == (422, "option_count", "questions.t.criteria")
+
+    async def both():
+        async with AsyncClient(url) as client:
+            return await client.systemone({"state": STATE, "questions": {"refund": REFUND}})
+
+    assert asyncio.run(both()).answers == reply.answers

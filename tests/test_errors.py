@@ -230,6 +230,11 @@ def test_server_codes_are_reachable(client, monkeypatch, tmp_path):
         Format(server.engine.model.tokenizer)
     reached.add(e.value.code)
 
+    # System One's `box` question (tests/test_decision_apis.py serves its other refusals).
+    with pytest.raises(ScoringError) as e:
+        server.service.apis.systemone({"state": "x", "questions": {"where": {"type": "box"}}})
+    reached.add(e.value.code)
+
     # Images, on a model that reads them (tests/test_media.py serves these too).
     scorer = Scorer(engines.engine("gemma3-vision"), packs={})
     parts = {

@@ -35,9 +35,9 @@ MODEL = "spinf/gemma-3-270m"
 ROUTES = {"/v1/score": api.ScoreResponse, "/v1/chat/completions": api.ChatCompletion}
 # The decision APIs answer errors in their clients' shapes: 422 {"detail": [...]}, else {"detail": {...}}.
 DECISION_ROUTES = {
-    "/v1/systemone": systemone.Response,
-    "/v1/systemone/batch": systemone.BatchResponse,
-    "/v1/decisions": openai_decisions.Response,
+    "/v1/systemone": systemone.SystemOneResponse,
+    "/v1/systemone/batch": systemone.SystemOneBatchResponse,
+    "/v1/decisions": openai_decisions.DecisionsResponse,
 }
 BULK_BODIES = examples(10_000)
 ENGINE_BODIES = examples(12)

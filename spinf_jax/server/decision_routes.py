@@ -116,7 +116,9 @@ def decision_routes(scoring_route: dict) -> list:
     @post(
         "/v1/systemone", summary="System One: typed questions about a state (docs/decision-apis.md)", **route
     )
-    async def systemone_route(request: Request, data: JSONBody[systemone.Request]) -> systemone.Response:
+    async def systemone_route(
+        request: Request, data: JSONBody[systemone.SystemOneRequest]
+    ) -> systemone.SystemOneResponse:
         """Every question is a branch of one read of the state: its answer does not depend on what else is
         asked, under which id or in which order."""
         apis = request.app.state.server.service.apis
@@ -124,16 +126,16 @@ def decision_routes(scoring_route: dict) -> list:
 
     @post("/v1/systemone/batch", summary="System One over many states, packed into shared passes", **route)
     async def systemone_batch_route(
-        request: Request, data: JSONBody[systemone.BatchRequest]
-    ) -> systemone.BatchResponse:
+        request: Request, data: JSONBody[systemone.SystemOneBatchRequest]
+    ) -> systemone.SystemOneBatchResponse:
         """Each state's result is bit-identical to asking it alone on /v1/systemone."""
         apis = request.app.state.server.service.apis
         return await _run(request, data, apis.plan_systemone_batch, apis.finish_systemone_batch)
 
     @post("/v1/decisions", summary="OpenAI's Decisions API: predicate, choice and score questions", **route)
     async def decisions_route(
-        request: Request, data: JSONBody[openai_decisions.Request]
-    ) -> openai_decisions.Response:
+        request: Request, data: JSONBody[openai_decisions.DecisionsRequest]
+    ) -> openai_decisions.DecisionsResponse:
         """Answers in question order; a question whose options hold under half the model's probability is
         answered as a refusal."""
         apis = request.app.state.server.service.apis

@@ -6,13 +6,19 @@ floor cache, builds `Engine(model(...), ...)`: its programs then come from the s
 Specs are the built-in names (spinf/gemma-3-270m, spinf/smollm2-135m-instruct) or a folder of
 fixtures/tiny by its name ("gemma3", "qwen3", ...)."""
 
+import dataclasses
 import functools
+import string
 from pathlib import Path
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
 
 from spinf_jax import parity
 from spinf_jax.engine import Engine
 from spinf_jax.loader import Model, load_model
 from spinf_jax.packer import Buckets
+from spinf_jax.tokenizer import Tokenizer
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 
@@ -45,3 +51,29 @@ def _model(spec: str, precision: str) -> Model:
 @functools.cache
 def _engine(spec: str, precision: str, buckets: Buckets) -> Engine:
     return Engine(_model(spec, precision), buckets)
+
+
+@functools.cache
+def byte_tokenizer() -> Tokenizer:
+    """A tokenizer for the tiny fixtures (512-token vocabularies, no tokenizer of their own): one token per
+    byte, and " A" to " Z" one token each, so that lettered answers can be read; BOS last."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges = [("Ġ", letter) for letter in string.ascii_uppercase]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    vocab["<bos>"] = len(vocab)
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<bos>"])
+    return Tokenizer(backend, bos_id=vocab["<bos>"], add_bos=True)
+
+
+@functools.cache
+def with_bytes(
+    spec: str, precision: str = "fp32", sizes: tuple[int, ...] = (256, 512, 1024), block: int = 32
+):
+    """A tiny fixture's engine whose model reads text through byte_tokenizer (its weights the session's)."""
+    model = dataclasses.replace(_model(_spec(spec), precision), tokenizer=byte_tokenizer())
+    return Engine(model, Buckets(tuple(sizes), block))

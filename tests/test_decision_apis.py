@@ -18,6 +18,8 @@ import openai
 import pytest
 import typesafe_sdk
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spinf_jax import openai_decisions, systemone
 from spinf_jax.client import ApiError, AsyncClient, Client
@@ -28,6 +30,7 @@ from spinf_jax.models.layers import TreeBatch
 from spinf_jax.server.app import Settings, create_app
 from tests import engines
 from tests.serving import serving
+from tests.test_layout import FAMILIES
 
 STATE = (
     "Hi, I was charged twice for my March invoice (order #4471) and the refund I was promised last week "
@@ -332,3 +335,45 @@ def test_our_clients_speak_the_decision_apis(url):
             return await client.systemone({"state": STATE, "questions": {"refund": REFUND}})
 
     assert asyncio.run(both()).answers == reply.answers
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every family (the tiny fixtures, reading text byte by byte): the recurrent-state fork of Qwen3.5 included
+
+SHORT = "Charged twice; refund me today."
+POOL = {
+    "refund": {"type": "noul", "instructions": "Refund?"},
+    "team": {
+        "type": "choice",
+        "instructions": "Team?",
+        "criteria": {"Bill": None, "Tech": "bugs", "Sales": None},
+    },
+    "anger": {"type": "score", "instructions": "Anger?", "criteria": ["calm", "upset", "angry"]},
+    "today": {"type": "noul", "criteria": {"true": "urgent"}},
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    apis = DecisionApis(engines.with_bytes(request.param))
+    return apis, apis.systemone({"state": SHORT, "questions": POOL})["answers"]
+
+
+@pytest.mark.slow  # 80 s for the eight families on the 2-core machine (compiles, mostly)
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_every_family_answers_the_same_bits_whatever_else_is_asked(family, data):
+    """Any subset of the questions, in any order, under any ids, alone or second in a batch: each answer
+    keeps the bits it has when the whole pool is asked."""
+    apis, base = family
+    picked = data.draw(st.lists(st.sampled_from(list(POOL)), min_size=1, max_size=4, unique=True))
+    ids = data.draw(
+        st.lists(st.text(min_size=1, max_size=4), min_size=len(picked), max_size=len(picked), unique=True)
+    )
+    asked = {qid: POOL[q] for qid, q in zip(ids, picked, strict=True)}
+    if data.draw(st.booleans(), label="in a batch"):
+        reply = apis.systemone_batch({"states": ["Other text.", SHORT], "questions": asked})["results"][1]
+    else:
+        reply = apis.systemone({"state": SHORT, "questions": asked})
+    for qid, q in zip(ids, picked, strict=True):
+        assert _values(reply["answers"][qid]) == _values(base[q]), q

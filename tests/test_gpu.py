@@ -13,11 +13,15 @@ import pytest
 
 from pallas_kernels import tree_attention_mosaic
 from pallas_kernels.tree_attention import kernel, reference
+from spinf_jax.decision_apis import DecisionApis
 from spinf_jax.engine import Engine
 from spinf_jax.layout import build_tree
 from spinf_jax.loader import load_model
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision, linear, quantize
+from tests import engines
+from tests.test_decision_apis import POOL as DECISION_POOL
+from tests.test_decision_apis import SHORT
 from tests.test_tree_attention import same_rows_in_every_layout
 from tests.trees import POOL, lay_out
 
@@ -98,3 +102,24 @@ def test_scores_bit_identical_across_packing_buckets_and_companions(family, prec
         scored = engine.score_trees([others[seed], subset, others[seed + 1]])[1]
         for j, i in enumerate(order):
             np.testing.assert_array_equal(scored.option_logprobs(j), alone.option_logprobs(i))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3", "gemma4-e2b", "qwen3_5", "gemma4-moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_decision_answers_bit_identical_whatever_else_is_asked(family, precision):
+    """System One's answers on the GPU's programs: any subset of the questions, in another order, under other
+    ids, alone or second in a batch, keeps every bit of the whole pool's answers."""
+    apis = DecisionApis(engines.with_bytes(family, precision, sizes=(4096, 8192), block=64))
+    base = apis.systemone({"state": SHORT, "questions": DECISION_POOL})["answers"]
+    names = list(DECISION_POOL)
+    for seed in range(4):
+        order = np.random.default_rng(seed).permutation(len(names))[: 1 + seed % len(names)]
+        asked = {f"id {seed}-{i}": DECISION_POOL[names[i]] for i in order}
+        batch = {"states": ["Other text, longer than the first." * (seed + 1), SHORT], "questions": asked}
+        reply = (
+            apis.systemone_batch(batch)["results"][1]
+            if seed % 2
+            else apis.systemone(batch | {"state": SHORT})
+        )
+        for qid, i in zip(asked, order, strict=True):
+            assert reply["answers"][qid] == base[names[i]], (qid, names[i])

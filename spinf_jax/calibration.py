@@ -6,6 +6,16 @@ The calibration file (written by `spinf-jax calibrate`, read by `spinf-jax serve
 
     {"version": 1, "model": ..., "system_fingerprint": ..., "workloads": {name: {"temperature": T, ...}}}
 
+Typed questions (the decision APIs' noul / choice / score) may also take temperatures by type and by option
+count, as decision checkpoints ship them (decider's decider_config.json), at the file's top level:
+
+    "temperature": T,                                        every typed answer
+    "temperature_by_type": {"noul": T, "choice": T, "score": T},   a missing type uses "temperature"
+    "temperature_by_options": {"a": a, "b": b, "min": m}     T(n) = max(m, a + b·ln n) for n options; it
+                                                             replaces the two above
+
+A request's workload, where it names one, comes first. A file needs workloads, typed temperatures, or both.
+
 It is checked fail-closed: a file that is missing, does not parse, or holds a T that is not a finite number
 in [MIN_T, MAX_T] stops the server from starting.
 """
@@ -40,10 +50,32 @@ class Workload:
     thresholds: dict[str, float] = field(default_factory=dict)
 
 
+TYPES = ("noul", "choice", "score")
+
+
+@dataclass(frozen=True)
+class TypedTemperatures:
+    """Temperatures of typed answers by type and option count (the module's docstring)."""
+
+    temperature: float | None = None
+    by_type: dict[str, float] = field(default_factory=dict)
+    by_options: tuple[float, float, float] | None = None  # (a, b, min): T(n) = max(min, a + b·ln n)
+
+    def for_question(self, kind: str, options: int) -> float | None:
+        if self.by_options is not None:
+            a, b, least = self.by_options
+            return min(MAX_T, max(least, a + b * math.log(options)))
+        return self.by_type.get(kind, self.temperature)
+
+    def __bool__(self) -> bool:
+        return self.temperature is not None or bool(self.by_type) or self.by_options is not None
+
+
 @dataclass(frozen=True)
 class Calibration:
     workloads: dict[str, Workload]
     path: str = ""
+    typed: TypedTemperatures = field(default_factory=TypedTemperatures)
 
 
 def load_calibration(path: str | Path) -> Calibration:
@@ -55,11 +87,44 @@ def load_calibration(path: str | Path) -> Calibration:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CalibrationError(f"{path}: not JSON: {exc}") from None
-    workloads = data.get("workloads") if isinstance(data, dict) else None
-    if not isinstance(workloads, dict) or not workloads:
-        raise CalibrationError(f"{path}: workloads: expected an object of at least one workload")
+    if not isinstance(data, dict):
+        raise CalibrationError(f"{path}: expected a JSON object")
+    typed = _typed(data, str(path))
+    workloads = data.get("workloads", {} if typed else None)
+    if not isinstance(workloads, dict) or not (workloads or typed):
+        raise CalibrationError(
+            f"{path}: workloads: expected an object of at least one workload (or typed temperatures)"
+        )
     checked = {name: _workload(entry, f"{path}: workloads.{name}") for name, entry in workloads.items()}
-    return Calibration(checked, str(path))
+    return Calibration(checked, str(path), typed)
+
+
+def _temperature(value, where: str) -> float:
+    if not _is_number(value) or not MIN_T <= value <= MAX_T:
+        raise CalibrationError(f"{where}: expected a finite number in [{MIN_T}, {MAX_T}], got {value!r}")
+    return float(value)
+
+
+def _typed(data: dict, path: str) -> TypedTemperatures:
+    t = data.get("temperature")
+    t = None if t is None else _temperature(t, f"{path}: temperature")
+    by_type = data.get("temperature_by_type") or {}
+    if not isinstance(by_type, dict) or set(by_type) - set(TYPES):
+        raise CalibrationError(
+            f"{path}: temperature_by_type: expected {{type: T}} with types {', '.join(TYPES)}"
+        )
+    by_type = {k: _temperature(v, f"{path}: temperature_by_type.{k}") for k, v in by_type.items()}
+    by_options = data.get("temperature_by_options")
+    if by_options is not None:
+        where = f"{path}: temperature_by_options"
+        if not isinstance(by_options, dict) or not {"a", "b"} <= set(by_options) <= {"a", "b", "min"}:
+            raise CalibrationError(f'{where}: expected {{"a": ..., "b": ..., "min"?: ...}}')
+        a, b = by_options["a"], by_options["b"]
+        if not (_is_number(a) and _is_number(b)):
+            raise CalibrationError(f"{where}: a and b must be finite numbers")
+        least = _temperature(by_options.get("min", MIN_T), f"{where}.min")
+        by_options = (float(a), float(b), least)
+    return TypedTemperatures(t, by_type, by_options)
 
 
 def _workload(entry, where: str) -> Workload:

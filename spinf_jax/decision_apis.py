@@ -90,7 +90,7 @@ class DecisionApis:
 
     def plan_decisions(self, body: openai_decisions.DecisionsRequest) -> Planned:
         questions = openai_questions(body)
-        settings = typed.Settings(orderings=body.x_orderings, workload=body.x_workload)
+        settings = typed.Settings(orderings=body.x_orderings, workload=body.x_workload, prior=body.x_prior)
         state = openai_state(body)
         return Planned(self.reader.plan([state], questions, settings, ["input"]), body, [])
 
@@ -238,20 +238,27 @@ def _texts(values, param: str, allow_null: bool) -> None:
 
 
 def systemone_settings(body: systemone.SystemOneRequest | systemone.SystemOneBatchRequest) -> typed.Settings:
-    return typed.Settings(orderings=body.x_orderings, workload=body.x_workload)
+    return typed.Settings(orderings=body.x_orderings, workload=body.x_workload, prior=body.x_prior)
 
 
 def systemone_answer(a: typed.TypedAnswer, workload: str | None) -> systemone.SystemOneAnswer:
     q = a.question
+
+    def by_name(values) -> dict[str, float]:
+        return {name: float(x) for name, x in zip(q.names, values, strict=True)}
+
     extras = {"x_residual": max(0.0, 1.0 - a.option_mass), "x_prompt_sha256": a.prompt_sha256}
     if a.combined is not None:
         extras.update(x_agreement=a.combined.agreement, x_spread=a.combined.spread)
-    p = {name: float(x) for name, x in zip(q.names, a.probabilities, strict=True)}
+    if a.combined is not None or a.floor is not None:
+        extras["x_listed"] = by_name(a.listed)
+    if a.floor is not None:
+        extras["x_floor"] = by_name(a.floor)
+    p = by_name(a.probabilities)
     if a.calibrated is not None:
         extras["x_calibrated"] = systemone.SystemOneCalibrated(
-            workload=workload, temperature=a.temperature,
-            probabilities={n: float(x) for n, x in zip(q.names, a.calibrated, strict=True)},
-        )  # fmt: skip
+            workload=workload, temperature=a.temperature, probabilities=by_name(a.calibrated)
+        )
     if q.kind == "noul":
         return systemone.NoulAnswer(noul=p["true"], **extras)
     if q.kind == "choice":

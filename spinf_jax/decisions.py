@@ -197,11 +197,11 @@ class Asked:
 
 
 def read_state(
-    state, asked: list[Asked], form: Format, limits: Limits
+    state, asked: list[Asked], form: Format, limits: Limits, floor: bool = False
 ) -> tuple[tuple[int, ...], list[tuple[Ordering, ...]]]:
     """The state's trunk (tokens without BOS) and each question's orderings as branches of it; raises
-    ScoringError."""
-    if state in ("", {}, []) or (isinstance(state, str) and not state.strip()):
+    ScoringError. An empty state is refused, unless it is read on purpose (`floor`: the questions' prior)."""
+    if not floor and (state in ("", {}, []) or (isinstance(state, str) and not state.strip())):
         raise ScoringError("empty_state", "the state is empty: give the text or JSON to decide over", "state")
     tokenizer, prefix = form.tokenizer, form.tokenizer.prefix()
     trunk, out = None, []

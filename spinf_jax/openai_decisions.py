@@ -84,6 +84,7 @@ class DecisionsRequest(Struct, kw_only=True):
     safety_identifier: str | None = None
     x_orderings: Literal["rotations", "all"] | None = None
     x_workload: str | None = None
+    x_prior: Annotated[bool, Meta(description="divide by each question's floor (an empty input)")] = False
     x_refusal_below: Annotated[
         float, Meta(ge=0, le=1, description="refuse where the options hold less of the probability than this")
     ] = REFUSAL_MASS

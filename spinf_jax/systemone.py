@@ -24,6 +24,11 @@ Orderings = Annotated[
     Meta(description='every ordering of each question\'s options, combined ("all": up to 4 options)'),
 ]
 
+Prior = Annotated[
+    bool,
+    Meta(description="divide by each question's probabilities on an empty state (its floor), renormalised"),
+]
+
 
 class SystemOneQuestion(Struct, kw_only=True):
     type: Annotated[
@@ -54,6 +59,7 @@ class SystemOneRequest(Struct, kw_only=True):
     assets: dict[str, SystemOneAsset] | None = None
     x_orderings: Orderings = None
     x_workload: Annotated[str | None, Meta(description="a workload of the server's calibration file")] = None
+    x_prior: Prior = False
 
 
 class SystemOneBatchRequest(Struct, kw_only=True):
@@ -64,10 +70,11 @@ class SystemOneBatchRequest(Struct, kw_only=True):
     questions: dict[str, SystemOneQuestion]
     x_orderings: Orderings = None
     x_workload: str | None = None
+    x_prior: Prior = False
 
 
 class SystemOneCalibrated(Struct, kw_only=True):
-    workload: str
+    workload: Annotated[str | None, Meta(description="the request's; null: the file's typed temperatures")]
     temperature: float
     probabilities: dict[str, float]
 
@@ -75,8 +82,12 @@ class SystemOneCalibrated(Struct, kw_only=True):
 class _SystemOneExtras(Struct, kw_only=True, omit_defaults=True):
     x_residual: Annotated[float, Meta(description="the probability left outside the options' labels")]
     x_prompt_sha256: str
+    x_listed: Annotated[
+        dict[str, float] | None, Meta(description="with x_orderings or x_prior: the listed order's, as read")
+    ] = None
     x_agreement: float | None = None
     x_spread: float | None = None
+    x_floor: Annotated[dict[str, float] | None, Meta(description="with x_prior: on an empty state")] = None
     x_calibrated: SystemOneCalibrated | None = None
 
 

@@ -27,10 +27,8 @@ tokens (the tree's trunk) and its answer's bits do not depend on what else is as
 order, or with which other states in the pass.
 """
 
-import hashlib
 import json
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -123,6 +121,9 @@ class Settings:
 
     orderings: str | None = None  # "rotations" or "all": every ordering of the options, combined
     workload: str | None = None  # a workload of the calibration file
+    # Divide by the same question's probabilities on an empty state (its floor) and renormalise: the model's
+    # prior over the labels (small models lean toward A) taken out.
+    prior: bool = False
 
 
 @dataclass
@@ -138,6 +139,7 @@ class TypedPlan:
     states: list[StateRead]
     trees: list[Tree]
     prefix_tokens: int  # BOS and whatever the tokenizer puts before every prompt
+    floor: StateRead | None = None  # the questions on an empty state (Settings.prior): read after the states
 
     @property
     def inputs(self) -> int:
@@ -146,28 +148,37 @@ class TypedPlan:
 
     @property
     def questions(self) -> int:
-        return sum(len(b) for s in self.states for b in s.branches)
+        return sum(len(b) for s in self._reads for b in s.branches)
+
+    @property
+    def _reads(self) -> list[StateRead]:
+        return self.states + ([self.floor] if self.floor else [])
+
+    def _tokens(self, read: StateRead) -> int:
+        return self.prefix_tokens + len(read.trunk) + sum(len(o.branch_ids) for b in read.branches for o in b)
 
     def state_tokens(self, i: int) -> int:
         """Every token the pass reads for state i: the state once, each question's prompt after it."""
-        read = self.states[i]
-        return self.prefix_tokens + len(read.trunk) + sum(len(o.branch_ids) for b in read.branches for o in b)
+        return self._tokens(self.states[i])
 
     @property
     def input_tokens(self) -> int:
-        return sum(self.state_tokens(i) for i in range(len(self.states)))
+        """The states' tokens, and the floor's where it is read."""
+        return sum(self._tokens(read) for read in self._reads)
 
 
 @dataclass
 class TypedAnswer:
     question: TypedQuestion
-    probabilities: np.ndarray  # per name: the listed order's, or the orderings' combination
+    # per name: the listed order's, or the orderings' combination; over the floor where the prior is taken out
+    probabilities: np.ndarray
+    listed: np.ndarray  # the listed order's, as read
     option_mass: float  # the labels' share of the next-token probability (the listed order's prompt)
     prompt_sha256: str  # the listed order's prompt
     combined: api.Combined | None = None
+    floor: np.ndarray | None = None  # the same reading on an empty state (Settings.prior)
     calibrated: np.ndarray | None = None
     temperature: float | None = None
-    order_probabilities: list[np.ndarray] = field(default_factory=list)
 
     @property
     def top(self) -> str:
@@ -259,18 +270,15 @@ class TypedReader:
                 if e.param == "state" and param != "state":
                     e.param = param
                 raise
-            keys = [
-                QuestionKey(o.branch_ids, tuple((i,) for i in self.format.label_ids[: len(q.names)]))
-                for q, b in zip(questions, branches, strict=True)
-                for o in b
-            ]
-            try:
-                chunks = content_trees(prefix, list(trunk), keys, self.buckets)
-            except ValueError as e:
-                raise ScoringError("question_too_large", str(e), param) from e
-            reads.append(StateRead(trunk, branches))
-            trees += [tree for tree, _ in chunks]
+            read, read_trees = self._trees(trunk, branches, questions, param)
+            reads.append(read)
+            trees += read_trees
         plan = TypedPlan(questions, settings, reads, trees, len(prefix))
+        if settings.prior:
+            floor, floor_trees = self._trees(
+                *read_state("", asked, self.format, self.limits, True), questions, ""
+            )
+            plan.floor, plan.trees = floor, trees + floor_trees
         if plan.input_tokens > self.limits.max_request_tokens:
             raise ScoringError(
                 "too_many_tokens",
@@ -279,53 +287,72 @@ class TypedReader:
             )
         return plan
 
+    def _trees(self, trunk, branches, questions: list[TypedQuestion], param: str) -> tuple[StateRead, list]:
+        keys = [
+            QuestionKey(o.branch_ids, tuple((i,) for i in self.format.label_ids[: len(q.names)]))
+            for q, b in zip(questions, branches, strict=True)
+            for o in b
+        ]
+        try:
+            chunks = content_trees(self.format.tokenizer.prefix(), list(trunk), keys, self.buckets)
+        except ValueError as e:
+            raise ScoringError("question_too_large", str(e), param) from e
+        return StateRead(trunk, branches), [tree for tree, _ in chunks]
+
     def answers(self, plan: TypedPlan, scored: list) -> list[list[TypedAnswer]]:
         """Per state, per question (in the request's order), its answer."""
         logprobs = iter([r.option_logprobs(i) for r in scored for i in range(len(r.tree.options))])
-        out = []
-        for read in plan.states:
-            mine = []
-            for question, branches in zip(plan.questions_asked, read.branches, strict=True):
-                label_lp = [next(logprobs) for _ in branches]
-                mine.append(self._answer(question, branches, label_lp, plan.settings))
-            out.append(mine)
-        return out
+        read = [
+            [
+                self._reading(question, branches, [next(logprobs) for _ in branches], plan.settings)
+                for question, branches in zip(plan.questions_asked, state.branches, strict=True)
+            ]
+            for state in plan._reads
+        ]
+        floors = read.pop() if plan.floor else [None] * len(plan.questions_asked)
+        for answers in read:
+            for answer, floor in zip(answers, floors, strict=True):
+                self._finish(answer, floor, plan.settings)
+        return read
 
-    def _answer(self, question: TypedQuestion, branches, label_lp: list[np.ndarray], settings) -> TypedAnswer:
+    def _finish(self, answer: TypedAnswer, floor: TypedAnswer | None, settings: Settings) -> None:
+        names = answer.question.names
+        if floor is not None:
+            answer.floor = floor.probabilities
+            lifted = np.log(answer.probabilities) - np.log(floor.probabilities)
+            answer.probabilities = orderings.by_id(orderings.distribution, lifted, names)
+        temperature = self.temperature(answer.question, settings)
+        if temperature is not None:
+            answer.temperature = temperature
+            answer.calibrated = orderings.by_id(
+                lambda x: apply_temperature(x, temperature), np.log(answer.probabilities), names
+            )
+
+    def temperature(self, question: TypedQuestion, settings: Settings) -> float | None:
+        """The request's workload's, else the calibration file's for this type and option count, if any."""
+        if self.calibration is None:
+            return None
+        if settings.workload is not None:
+            return self.calibration.workloads[settings.workload].temperature
+        return self.calibration.typed.for_question(question.kind, len(question.names))
+
+    def _reading(
+        self, question: TypedQuestion, branches, label_lp: list[np.ndarray], settings
+    ) -> TypedAnswer:
         names = question.names
         # Each ordering renormalised over its labels in label order, then per option in the listed order: the
         # same prompt gives the same bits however the request listed the options.
         per_option = [
             by_option(o.order, orderings.distribution(lp)) for o, lp in zip(branches, label_lp, strict=True)
         ]
-        first = label_lp[0]
         answer = TypedAnswer(
             question,
             per_option[0],
-            option_mass=float(np.sum(np.exp(first))),
+            listed=per_option[0],
+            option_mass=float(np.sum(np.exp(label_lp[0]))),
             prompt_sha256=branches[0].prompt_sha256,
         )
         if settings.orderings is not None:
             answer.combined = orderings.combine(names, [o.order for o in branches], per_option)
             answer.probabilities = np.array(answer.combined.probabilities)
-            answer.order_probabilities = per_option
-        if settings.workload is not None:
-            temperature = self.calibration.workloads[settings.workload].temperature
-            answer.temperature = temperature
-            answer.calibrated = orderings.by_id(
-                lambda x: apply_temperature(x, temperature), np.log(answer.probabilities), names
-            )
         return answer
-
-
-def prompt_digest(answers: list[TypedAnswer]) -> str:
-    """One sha256 over a request's prompts (each question's listed order), in the request's order."""
-    digest = hashlib.sha256()
-    for a in answers:
-        digest.update(bytes.fromhex(a.prompt_sha256))
-    return digest.hexdigest()
-
-
-def finite(x: float) -> float:
-    """A probability as JSON can carry it (a NaN never leaves the server)."""
-    return x if math.isfinite(x) else 0.0

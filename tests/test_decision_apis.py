@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spinf_jax import openai_decisions, systemone
+from spinf_jax.calibration import CalibrationError, apply_temperature, load_calibration
 from spinf_jax.client import ApiError, AsyncClient, Client
 from spinf_jax.decision_apis import DecisionApis
 from spinf_jax.decoding import convert
@@ -377,3 +378,56 @@ def test_every_family_answers_the_same_bits_whatever_else_is_asked(family, data)
         reply = apis.systemone({"state": SHORT, "questions": asked})
     for qid, q in zip(ids, picked, strict=True):
         assert _values(reply["answers"][qid]) == _values(base[q]), q
+
+
+def test_the_prior_taken_out_over_the_floor(apis):
+    """x_prior: each answer over the same question on an empty state, renormalised; the floor is the same
+    bits whatever the state, and the listed reading keeps the bits of a plain request."""
+    plain = apis.systemone({"state": STATE, "questions": QUESTIONS})["answers"]
+    other = "The app crashes when I open settings."
+    replies = [apis.systemone({"state": s, "questions": QUESTIONS, "x_prior": True}) for s in (STATE, other)]
+    lifted, lifted_other = (r["answers"] for r in replies)
+    for qid, answer in lifted.items():
+        read = plain[qid].get("probabilities") or {"true": plain[qid]["noul"]}
+        assert {k: answer["x_listed"][k] for k in read} == read
+        assert answer["x_floor"] == lifted_other[qid]["x_floor"]
+        listed, floor = (
+            np.array(list(answer["x_listed"].values())),
+            np.array(list(answer["x_floor"].values())),
+        )
+        expected = listed / floor / np.sum(listed / floor)
+        got = answer["probabilities"] if "probabilities" in answer else {"true": answer["noul"]}
+        np.testing.assert_allclose(list(got.values()), expected[: len(got)], rtol=1e-9)
+    # the floor is read once a request, and counted
+    alone = apis.systemone({"state": STATE, "questions": QUESTIONS})["usage"]["input_tokens"]
+    assert replies[0]["usage"]["input_tokens"] > alone
+
+
+def test_temperatures_by_type_and_by_option_count(gemma_engine, tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"temperature": 2.0, "temperature_by_type": {"choice": 0.5}}))
+    by_type = DecisionApis(gemma_engine, calibration=load_calibration(path))
+    answers = by_type.systemone({"state": STATE, "questions": QUESTIONS})["answers"]
+    assert {qid: a["x_calibrated"]["temperature"] for qid, a in answers.items()} == {
+        "refund": 2.0,
+        "team": 0.5,
+        "anger": 2.0,
+        "urgent": 2.0,
+    }
+    team = answers["team"]
+    expected = apply_temperature(np.log(list(team["probabilities"].values())), 0.5)
+    np.testing.assert_allclose(list(team["x_calibrated"]["probabilities"].values()), expected, rtol=1e-12)
+    assert team["x_calibrated"]["workload"] is None
+    path.write_text(json.dumps({"temperature_by_options": {"a": 3.0, "b": -1.0, "min": 0.4}}))
+    by_options = DecisionApis(gemma_engine, calibration=load_calibration(path))
+    answers = by_options.systemone({"state": STATE, "questions": QUESTIONS})["answers"]
+    assert answers["refund"]["x_calibrated"]["temperature"] == pytest.approx(3.0 - math.log(2))
+    assert answers["team"]["x_calibrated"]["temperature"] == pytest.approx(3.0 - math.log(3))
+    for bad in (
+        {"temperature_by_type": {"bool": 1.0}},
+        {"temperature": 0},
+        {"temperature_by_options": {"a": 1}},
+    ):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(CalibrationError):
+            load_calibration(path)

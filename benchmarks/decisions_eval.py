@@ -3,8 +3,11 @@ temperature change, with 95% bootstrap intervals. Not run in CI.
 
 For each model and each set (benchmarks/data, made by make_eval_sets.py), it starts `spinf-jax serve` on a
 free port and sends every row with `orderings: "rotations"` (16 requests in flight) as a decision to /decide
-(mode "decide"), and as a question to /v1/score whose template lists the options (mode "score", TEMPLATES
-below). Per model, set and mode it measures:
+(mode "decide": SemIf's direct-options-v1 prompt, letters read), as a question to /v1/score whose template
+lists the options (mode "score", TEMPLATES below: the options' own words read), and as a System One choice
+to /v1/systemone (mode "systemone": the typed-options-v1 prompt, labels read; "systemone-prior": the same
+with `x_prior`, each row's answer over the question's answer on an empty state). Per model, set and mode it
+measures:
 - accuracy and balanced accuracy of the options as listed (`probabilities`) and order-averaged (`combined`),
   with a paired bootstrap interval of the difference;
 - ECE, NLL and Brier before and after a temperature, out of fold (spinf_jax.calibration.report: 5 folds,
@@ -77,13 +80,38 @@ def ask(url: str, rows: list[dict], mode: str, name: str) -> list[dict]:
         return {"option_ids": ids, "probabilities": [o["p"] for o in combination["options"]],
                 "combined": combination["combined"]}  # fmt: skip
 
+    def systemone(row: dict, prior: bool) -> dict:
+        ids = [o["id"] for o in row["options"]]
+        question = {"type": "choice", "instructions": row["question"],
+                    "criteria": {o["id"]: o["description"] for o in row["options"]}}  # fmt: skip
+        body = {
+            "state": row["state"],
+            "questions": {"q": question},
+            "x_orderings": "rotations",
+            "x_prior": prior,
+        }
+        answer = post("/v1/systemone", body)["answers"]["q"]
+        listed = [answer["x_listed"][i] for i in ids]
+        combined = [answer["probabilities"][i] for i in ids]
+        if prior:  # the listed order over its floor, as a request without orderings would answer
+            floor = np.array([answer["x_floor"][i] for i in ids])
+            listed = list(np.array(listed) / floor / np.sum(np.array(listed) / floor))
+        return {"option_ids": ids, "probabilities": listed,
+                "combined": {"probabilities": combined, "agreement": answer["x_agreement"]}}  # fmt: skip
+
     def post(path: str, body: dict) -> dict:
         response = httpx.post(f"{url}{path}", json=body, timeout=600)
         response.raise_for_status()
         return response.json()
 
+    ask_row = {
+        "decide": decide,
+        "score": score,
+        "systemone": lambda row: systemone(row, False),
+        "systemone-prior": lambda row: systemone(row, True),
+    }[mode]
     with ThreadPoolExecutor(16) as pool:
-        return list(pool.map(decide if mode == "decide" else score, rows))
+        return list(pool.map(ask_row, rows))
 
 
 def paired_difference(a: np.ndarray, b: np.ndarray, groups: list[str], draws: int = 2000) -> list[float]:
@@ -182,8 +210,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         nargs="+",
-        default=["decide", "score"],
-        help="/decide prompts, /v1/score questions, or both",
+        default=["decide", "score", "systemone", "systemone-prior"],
+        help="/decide prompts, /v1/score questions, /v1/systemone choices (plain, and over their floor)",
     )
     parser.add_argument("--precision", default="fp32", help="serve's --precision")
     parser.add_argument("--limit", type=int, help="only the first N rows of each set")

@@ -254,25 +254,38 @@ def _calibration(args) -> int:
 
 
 def _score(args) -> int:
-    """`spinf-jax score INPUT --out OUT (--queries FILE | --pack ID)`: a JSON Lines file through the engine
-    or a server (spinf_jax.bulk)."""
+    """`spinf-jax score INPUT --out OUT (--queries FILE | --pack ID | --systemone FILE)`: a JSON Lines (or
+    CSV) file through the engine or a server (spinf_jax.bulk)."""
     import json
 
     from tqdm import tqdm
 
     from spinf_jax import bulk
 
-    if not args.queries and not args.pack:
-        print("spinf-jax score: give --queries FILE or --pack ID (or both)", file=sys.stderr)
+    if args.systemone and (args.queries or args.pack):
+        print(
+            "spinf-jax score: --systemone asks its own questions: not with --queries or --pack",
+            file=sys.stderr,
+        )
         return 2
-    template = {}
+    if not args.queries and not args.pack and not args.systemone:
+        print("spinf-jax score: give --queries FILE, --pack ID or --systemone FILE", file=sys.stderr)
+        return 2
+    template, kind = {}, bulk.SCORING
+    for flag, path in (("--queries", args.queries), ("--systemone", args.systemone)):
+        if path:
+            try:
+                asked = json.loads(Path(path).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                print(f"spinf-jax score: {flag}: {e}", file=sys.stderr)
+                return 2
     if args.queries:
-        try:
-            scoring = json.loads(Path(args.queries).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"spinf-jax score: --queries: {e}", file=sys.stderr)
+        template["scoring"] = {"queries": asked} if isinstance(asked, list) else asked
+    if args.systemone:
+        if not isinstance(asked, dict):
+            print("spinf-jax score: --systemone: expected a JSON object of questions", file=sys.stderr)
             return 2
-        template["scoring"] = {"queries": scoring} if isinstance(scoring, list) else scoring
+        template, kind = (asked if "questions" in asked else {"questions": asked}), bulk.SYSTEMONE
     if args.pack:
         template["packs"] = [{"id": pack} for pack in args.pack]
     source, out = Path(args.input), Path(args.out)
@@ -292,31 +305,35 @@ def _score(args) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     if args.ray:
-        return _score_on_ray(args, source, out, template)
+        return _score_on_ray(args, source, out, template, kind)
     if args.devices:
-        return _score_on_replicas(args, source, out, template)
+        return _score_on_replicas(args, source, out, template, kind)
     if args.url:
         from spinf_jax.client import Client
 
         if args.model:
             template["model"] = args.model
+        client = Client(args.url, args.api_key)
         # One batch in flight unless told: the server gathers what its other clients send.
-        backend, in_flight = nullcontext(Client(args.url, args.api_key).score), args.in_flight or 1
+        ask = client.systemone_batch if kind is bulk.SYSTEMONE else client.score
+        backend, in_flight = nullcontext(ask), args.in_flight or 1
     else:
+        from spinf_jax.decision_apis import SystemOneBatches
         from spinf_jax.packs.loader import load_packs
         from spinf_jax.service import Service
 
         packs = load_packs(args.packs, official=not args.no_official_packs)
         service = Service.load(args.model, args.precision, buckets=args.buckets, packs=packs)
         # Two batches in flight: one planned while the other's passes run (bulk.pipelined).
-        backend, in_flight = bulk.pipelined(service.scorer), args.in_flight or 2
+        asker = SystemOneBatches(service.apis) if kind is bulk.SYSTEMONE else service.scorer
+        backend, in_flight = bulk.pipelined(asker), args.in_flight or 2
     with backend as score, tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
-        summary = bulk.run(source, out, template, score, args.batch, bar, in_flight)
+        summary = bulk.run(source, out, template, score, args.batch, bar, in_flight, kind)
     bulk.report(summary)
     return 0
 
 
-def _score_on_ray(args, source: Path, out: Path, template: dict) -> int:
+def _score_on_ray(args, source: Path, out: Path, template: dict, kind) -> int:
     """`score --ray ADDRESS|local`: Ray Data actors (spinf_jax.ray.Scores), one device each: every GPU of the
     cluster, or --devices N of them (on a cluster without GPUs, N actors of a CPU each; default 1)."""
     from tqdm import tqdm
@@ -336,6 +353,8 @@ def _score_on_ray(args, source: Path, out: Path, template: dict) -> int:
     scores = {"model": args.model, "precision": args.precision, "scoring": template.get("scoring"),
               "packs": args.pack, "pack_sources": args.packs, "official_packs": not args.no_official_packs,
               "buckets": args.buckets}  # fmt: skip
+    if kind is bulk.SYSTEMONE:
+        scores["systemone"] = template
     try:
         with tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
             summary = spinf_ray.score_file(source, out, scores, actors, 1 if gpus else 0, args.batch, bar)
@@ -345,7 +364,7 @@ def _score_on_ray(args, source: Path, out: Path, template: dict) -> int:
     return 0
 
 
-def _score_on_replicas(args, source: Path, out: Path, template: dict) -> int:
+def _score_on_replicas(args, source: Path, out: Path, template: dict, kind) -> int:
     """`score --devices`: the replicas of `serve --devices`, and their front on a thread of this process;
     batches go through it as through --url, two in flight per replica unless --in-flight says."""
     from tqdm import tqdm
@@ -375,7 +394,8 @@ def _score_on_replicas(args, source: Path, out: Path, template: dict) -> int:
             return 1
         with Client(url) as client, tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
             in_flight = args.in_flight or 2 * count
-            summary = bulk.run(source, out, template, client.score, args.batch, bar, in_flight)
+            ask = client.systemone_batch if kind is bulk.SYSTEMONE else client.score
+            summary = bulk.run(source, out, template, ask, args.batch, bar, in_flight, kind)
     bulk.report(summary)
     return 0
 
@@ -545,9 +565,19 @@ def main(argv: list[str] | None = None) -> int:
         "--url), in batches written and flushed as they finish; a restart skips what OUT already holds for "
         "the same request; bad lines are reported with their line number and skipped.",
     )
-    p.add_argument("input", help='JSON Lines: {"id", "text"} or {"id", "messages"} a line')
+    p.add_argument(
+        "input",
+        help='JSON Lines: {"id", "text"} or {"id", "messages"} a line (with --systemone: {"id", "state"}); '
+        "or CSV, a row a content",
+    )
     p.add_argument("--out", required=True, help="JSON Lines of results, appended to")
     p.add_argument("--queries", help='a JSON file: a list of queries, or a scoring block {"queries": [...]}')
+    p.add_argument(
+        "--systemone",
+        metavar="FILE",
+        help='a JSON file: a System One question set {"id": {"type", ...}} (or {"questions": ..., "x_...": '
+        "...}), asked of every line's state (docs/bulk.md)",
+    )
     p.add_argument("--pack", action="append", default=[], metavar="ID", help="ask a prompt pack; repeatable")
     p.add_argument("--url", help="score through this server instead of in this process")
     p.add_argument("--api-key", help="with --url: the key (default $SPINF_API_KEY)")

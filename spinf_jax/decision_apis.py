@@ -165,6 +165,24 @@ class DecisionApis:
         return self._run(body, openai_decisions.DecisionsRequest, self.plan_decisions, self.finish_decisions)
 
 
+@dataclass
+class SystemOneBatches:
+    """System One batches as `spinf-jax score --systemone` asks them in process (spinf_jax.bulk.in_process):
+    a `/v1/systemone/batch` body planned, its plan finished."""
+
+    apis: DecisionApis
+
+    @property
+    def engine(self) -> "Engine":
+        return self.apis.engine
+
+    def plan(self, body: dict) -> Planned:
+        return self.apis.plan_systemone_batch(convert(body, systemone.SystemOneBatchRequest))
+
+    def finish(self, planned: Planned, scored: list["Scored"]) -> systemone.SystemOneBatchResponse:
+        return self.apis.finish_systemone_batch(planned, scored)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # System One ↔ typed questions
 

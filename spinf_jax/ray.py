@@ -12,6 +12,8 @@ each, across every GPU of a cluster (docs/scale-out.md).
 
 A row is a content as `spinf-jax score` reads a line: `id`, and `text` or `messages` (with its own `queries`
 or `query_ids` if it has them); it may name a `pack` (an id, or a list of ids) to ask besides the stage's.
+With `systemone` (a System One question set, or a `/v1/systemone/batch` body without its states) a row is a
+state instead, as `spinf-jax score --systemone` reads a line, and its `result` that state's System One reply.
 Every column comes back, with `result`, the API's result for the content as JSON (what `spinf-jax score`
 writes for it, `request_sha256` included), and `error`, why the API refused the row (else null). An actor's
 scores are the bits one device gives, whatever rows share its batch, so a task that Ray retries on another
@@ -42,16 +44,22 @@ class Scores:
         official_packs: bool = True,
         buckets: Sequence[int] | None = None,
         random_weights: str | None = None,
+        systemone: dict | None = None,
     ):
         """`random_weights`: for benchmarks, made-up weights at the shape of this transformers config.json
         with `model`'s tokenizer (as `serve --random-weights`)."""
+        from spinf_jax.decision_apis import SystemOneBatches
         from spinf_jax.packs.loader import load_packs
         from spinf_jax.service import Service
 
         loaded = load_packs(list(pack_sources), official=official_packs)
         service = Service.load(model, precision, buckets=buckets, random_weights=random_weights, packs=loaded)
-        self.backend = bulk.in_process(service.scorer)
-        self.template = template(scoring, packs)
+        if systemone is not None:
+            self.kind, self.template = bulk.SYSTEMONE, as_systemone(systemone)
+            self.backend = bulk.in_process(SystemOneBatches(service.apis))
+        else:
+            self.kind, self.template = bulk.SCORING, template(scoring, packs)
+            self.backend = bulk.in_process(service.scorer)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
@@ -59,10 +67,10 @@ class Scores:
         groups: dict[tuple[str, ...], list[tuple[int, dict]]] = {}  # by the packs a row asks besides
         for n, row in enumerate(rows):
             item = {k: _plain(v) for k, v in row.items() if v is not None}
-            own = _own_packs(item)
-            entry = bulk.entry_of(item, default_id="")
+            own = _own_packs(item) if self.kind is bulk.SCORING else ()
+            entry = self.kind.entry(item, "")
             if entry is None or not entry["id"]:
-                refused[n] = "a row has an id, and text or messages (not both)"
+                refused[n] = f"a row has an id, and is {self.kind.why_not}"
                 continue
             groups.setdefault(own, []).append((n, entry))
         done = bulk.Batch()
@@ -70,7 +78,7 @@ class Scores:
             asked = with_packs(self.template, own)
             pending = [(n, entry, bulk.request_sha256(entry, asked)) for n, entry in members]
             try:
-                bulk.score_batch(pending, asked, self.backend, done)
+                bulk.score_batch(pending, asked, self.backend, done, self.kind)
             except ScoringError as e:  # the request itself (no questions asked, an unknown pack): its rows
                 refused |= {n: f"{e.code}: {e.message}" for n, _ in members}
         refused |= done.bad
@@ -102,6 +110,11 @@ def start_local(actors: int) -> None:
     import ray
 
     ray.init(num_cpus=max(os.cpu_count() or 1, actors + 1), log_to_driver=False)
+
+
+def as_systemone(asked: dict) -> dict:
+    """A System One question set, or a batch body without its states (questions and x_ fields)."""
+    return asked if "questions" in asked else {"questions": asked}
 
 
 def template(scoring: dict | list | None, packs: Sequence[str]) -> dict:
@@ -145,12 +158,15 @@ def score_file(
     context.execution_options.preserve_order = True  # the output in input order, as `score` writes it
     read = ray.data.read_parquet if source.suffix == ".parquet" else ray.data.read_json
     dataset = read(str(source))
-    asked = template(scores.get("scoring"), scores.get("packs", ()))
+    if scores.get("systemone") is not None:
+        asked, kind = as_systemone(scores["systemone"]), bulk.SYSTEMONE
+    else:
+        asked, kind = template(scores.get("scoring"), scores.get("packs", ())), bulk.SCORING
     done = bulk.finished(out)
     rows = 0
     if done:  # resuming: what is left (a count reads the input once more, only then)
         rows = dataset.count()
-        dataset = dataset.filter(_NotDone(done, asked))
+        dataset = dataset.filter(_NotDone(done, asked, kind))
     resources = {"num_gpus": num_gpus} if num_gpus else {"num_cpus": 1}
     # Blocks of a batch each: a small file is one block, which would keep all but one actor idle; a large one
     # is split as it streams, not read whole first.
@@ -176,11 +192,11 @@ def score_file(
 class _NotDone:
     """A row filter: contents not already answered for this request (bulk.finished)."""
 
-    def __init__(self, done: set[tuple[str, str]], asked: dict):
-        self.done, self.asked = done, asked
+    def __init__(self, done: set[tuple[str, str]], asked: dict, kind: bulk.Kind):
+        self.done, self.asked, self.kind = done, asked, kind
 
     def __call__(self, row: dict) -> bool:
         item = {k: _plain(v) for k, v in row.items() if v is not None}
-        asked = with_packs(self.asked, _own_packs(item))
-        entry = bulk.entry_of(item, default_id="")
+        asked = with_packs(self.asked, _own_packs(item) if self.kind is bulk.SCORING else ())
+        entry = self.kind.entry(item, "")
         return entry is None or (entry["id"], bulk.request_sha256(entry, asked)) not in self.done

@@ -126,7 +126,7 @@ def test_the_command_in_process(gemma_engine, tmp_path, monkeypatch, capsys):
 
 def test_the_command_needs_questions(tmp_path, capsys):
     assert cli.main(["score", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o.jsonl")]) == 2
-    assert "give --queries FILE or --pack ID" in capsys.readouterr().err
+    assert "give --queries FILE, --pack ID or --systemone FILE" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("line, why", [('{"id": 1}', "text or messages"), ("[1, 2]", "text or messages")])
@@ -135,3 +135,49 @@ def test_lines_that_are_not_contents(tmp_path, line, why):
     source.write_text(line + "\n")
     bad = []
     assert list(bulk.read_inputs(source, bad)) == [] and why in bad[0]
+
+
+SYSTEMONE = {
+    "refund": {"type": "noul", "instructions": "Is the customer asking for a refund?"},
+    "topic": {"type": "choice", "instructions": "Topic?", "criteria": {"billing": None, "delivery": None}},
+}
+
+
+def test_a_csv_of_states_asked_a_system_one_question_set(gemma_engine, tmp_path, monkeypatch, capsys):
+    """`spinf-jax score rows.csv --systemone q.json`: each row a state (its `text`, or the row itself as an
+    object), answered as /v1/systemone would answer it alone; a restart skips what is done."""
+    from spinf_jax.service import Service
+
+    service = Service.over(gemma_engine)
+    monkeypatch.setattr(Service, "load", lambda *args, **kwargs: service)
+    source, out, questions = tmp_path / "rows.csv", tmp_path / "out.jsonl", tmp_path / "q.json"
+    source.write_text("id,product,complaint\nr1,kettle,the lid broke\nr2,,\nr3,parcel,never arrived\n")
+    questions.write_text(json.dumps(SYSTEMONE))
+    argv = ["score", str(source), "--out", str(out), "--systemone", str(questions), "--batch", "2"]
+    assert cli.main(argv) == 0
+    assert "scored 3 in" in capsys.readouterr().err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["input_id"] for r in rows] == ["r1", "r2", "r3"]
+    state = {"product": "kettle", "complaint": "the lid broke"}
+    assert rows[0]["answers"] == service.systemone({"state": state, "questions": SYSTEMONE})["answers"]
+    assert rows[0]["usage"]["input_tokens"] > 0 and len(rows[0]["request_sha256"]) == 64
+    assert cli.main(argv) == 0
+    assert "scored 0 in" in capsys.readouterr().err and out.read_text().count("\n") == 3
+
+
+def test_states_through_a_server_with_a_system_one_question_set(default_url, tmp_path, capsys):
+    source, out, questions = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "q.json"
+    lines = [
+        {"id": "a", "state": {"order": 7, "text": "refund me"}},
+        {"id": "b"},
+        {"id": "c", "text": "late"},
+    ]
+    source.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    questions.write_text(json.dumps({"questions": SYSTEMONE, "x_orderings": "rotations"}))
+    argv = ["score", str(source), "--out", str(out), "--systemone", str(questions), "--url", default_url]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "line 2: an object with a state" in err and "scored 2 in" in err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["input_id"] for r in rows] == ["a", "c"] and "x_agreement" in rows[0]["answers"]["topic"]
+    assert cli.main([*argv[:-2], "--queries", str(questions)]) == 2

@@ -14,9 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from spinf_jax import bulk, cli
+from spinf_jax.decision_apis import DecisionApis, SystemOneBatches
 from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.packs.loader import load_packs
-from spinf_jax.ray import Scores, template
+from spinf_jax.ray import Scores, as_systemone, template
 from spinf_jax.scoring import Scorer
 from tests.serving import processes
 
@@ -27,7 +28,28 @@ def _stage(engine) -> Scores:
     """A Scores over the session's engine (its __init__ loads a model of its own)."""
     stage = Scores.__new__(Scores)
     stage.backend, stage.template = bulk.in_process(Scorer(engine)), template(SCORING, [])
+    stage.kind = bulk.SCORING
     return stage
+
+
+def test_a_stage_asks_a_system_one_question_set(gemma_engine):
+    """With `systemone`, a row is a state: its result is that state's System One reply."""
+    questions = {"late": {"type": "noul", "instructions": "Is the order late?"}}
+    stage = Scores.__new__(Scores)
+    apis = DecisionApis(gemma_engine)
+    stage.kind, stage.template = bulk.SYSTEMONE, as_systemone(questions)
+    stage.backend = bulk.in_process(SystemOneBatches(apis))
+    batch = {
+        "id": np.array(["a", "b"], dtype=object),
+        "text": np.array(["Order 1 is late.", ""], dtype=object),
+    }
+    out = stage(batch)
+    a = json.loads(out["result"][0])
+    assert (
+        a["input_id"] == "a"
+        and a["answers"] == apis.systemone({"state": "Order 1 is late.", "questions": questions})["answers"]
+    )
+    assert out["result"][1] is None and "a state" in out["error"][1]
 
 
 def test_a_batch_gets_result_and_error_columns(gemma_engine):

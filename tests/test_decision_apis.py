@@ -32,6 +32,7 @@ from spinf_jax.server.app import Settings, create_app
 from tests import engines
 from tests.serving import serving
 from tests.test_layout import FAMILIES
+from tests.typed_pool import POOL, SHORT
 
 STATE = (
     "Hi, I was charged twice for my March invoice (order #4471) and the refund I was promised last week "
@@ -340,18 +341,6 @@ def test_our_clients_speak_the_decision_apis(url):
 
 # ---------------------------------------------------------------------------------------------------------
 # Every family (the tiny fixtures, reading text byte by byte): the recurrent-state fork of Qwen3.5 included
-
-SHORT = "Charged twice; refund me today."
-POOL = {
-    "refund": {"type": "noul", "instructions": "Refund?"},
-    "team": {
-        "type": "choice",
-        "instructions": "Team?",
-        "criteria": {"Bill": None, "Tech": "bugs", "Sales": None},
-    },
-    "anger": {"type": "score", "instructions": "Anger?", "criteria": ["calm", "upset", "angry"]},
-    "today": {"type": "noul", "criteria": {"true": "urgent"}},
-}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -20,10 +20,10 @@ from spinf_jax.loader import load_model
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision, linear, quantize
 from tests import engines
-from tests.test_decision_apis import POOL as DECISION_POOL
-from tests.test_decision_apis import SHORT
 from tests.test_tree_attention import same_rows_in_every_layout
 from tests.trees import POOL, lay_out
+from tests.typed_pool import POOL as DECISION_POOL
+from tests.typed_pool import SHORT
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"

@@ -6,7 +6,7 @@ set -euo pipefail
 if python3 -c "import litestar, spinf_jax" 2>/dev/null && [ -f /tmp/tok/tokenizer.json ]; then exit 0; fi
 wheels=.cache/device/wheels
 python3 -m pip install -q --no-index --find-links "$wheels" gguf pyyaml jinja2 httpx tqdm pillow miniaudio \
-  litestar msgspec prometheus-client uvicorn hatchling pytest hypothesis
+  litestar msgspec prometheus-client uvicorn zstandard hatchling pytest hypothesis
 python3 -m pip install -q --no-index --no-deps --no-build-isolation .
 mkdir -p /tmp/tok
 gunzip -c .cache/device/tokenizer/tokenizer.json.gz > /tmp/tok/tokenizer.json

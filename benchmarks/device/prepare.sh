@@ -11,8 +11,7 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d "$out/wheels" \
   gguf==0.19.0 pyyaml==6.0.4 jinja2==3.1.6 httpx==0.28.1 tqdm==4.70.1 pillow==13.0.0 miniaudio==1.71 \
   litestar==2.25.0 msgspec==0.22.0 prometheus-client==0.26.0 uvicorn==0.54.0 zstandard==0.25.0 hatchling \
-  pytest==9.2.0 \
-  hypothesis==6.170.15 2>&1 | grep -v "is ignored" || true
+  pytest==9.2.0 hypothesis==6.170.15 2>&1 | grep -v "is ignored" || true
 rm -f "$out"/wheels/numpy-*  # the machine's own numpy stays (jax was built against it)
 .venv/bin/python - "$out/tokenizer" <<'PY'
 import sys

@@ -24,7 +24,8 @@ the CPU, the default model:
     .venv/bin/python benchmarks/decisions_http.py --clients 1,4 --seconds 20 --out /tmp/dh
 
 On a GPU, made-up weights at a real shape (`serve --random-weights`, fp8) with Gemma 3's tokenizer (a folder
-holding its tokenizer.json; benchmarks/README.md says how the GPU machine gets one):
+holding its tokenizer.json; benchmarks/README.md says how the GPU machine gets one). A shape whose
+vocabulary is smaller than the tokenizer's gets the tokenizer's (the JSON says so: vocab_size_raised):
 
     cd benchmarks && JAX_PLATFORMS=cuda python3 decisions_http.py --shape qwen3.5-4b --tokenizer /tmp/tok \
       --clients 1,64 --out $OUT/dh
@@ -156,7 +157,11 @@ def decisions(questions: dict) -> list[dict]:
 
 
 class Failed(Exception):
-    """A request answered with anything but a 200 carrying every answer."""
+    """Requests (`count` of them) answered with anything but a 200 carrying every answer."""
+
+    def __init__(self, message: str, count: int = 1):
+        super().__init__(message)
+        self.count = count
 
 
 async def post(http: httpx.AsyncClient, path: str, body: dict) -> dict:
@@ -194,7 +199,10 @@ async def one_per_question(http, text: str) -> tuple[dict, int]:
             raise Failed(f"/v1/systemone ({qid} alone): answers for {sorted(reply.get('answers', ()))}")
         return reply
 
-    replies = await asyncio.gather(*(one(qid) for qid in QUESTIONS))
+    replies = await asyncio.gather(*(one(qid) for qid in QUESTIONS), return_exceptions=True)
+    failed = [r for r in replies if isinstance(r, BaseException)]
+    if failed:
+        raise Failed("; ".join(map(str, failed)), len(failed))
     answers = {qid: r["answers"][qid] for qid, r in zip(QUESTIONS, replies, strict=True)}
     return answers, sum(r["usage"]["input_tokens"] for r in replies)
 
@@ -230,7 +238,7 @@ async def drive(url: str, part: str, clients: int, seconds: float, seed: int, fi
                 try:
                     _, read = await ask(http, text)
                 except Failed as e:
-                    error_count += 1
+                    error_count += e.count
                     if len(errors) < 5:
                         errors.append(str(e))
                     continue
@@ -312,7 +320,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         cells = [r["part"], r["clients"], r["states"], f"{r['states_per_second']:.2f}",
                  f"{r['decisions_per_second']:.2f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}", r["errors"],
-                 f"{r['tokens_read_per_state']:.0f}", f"{r['client_cpu_share']:.0%}"]  # fmt: skip
+                 f"{r['tokens_read_per_state']:.0f}", f"{r['client_cpu_share']:.1%}"]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

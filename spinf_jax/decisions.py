@@ -197,10 +197,12 @@ class Asked:
 
 
 def read_state(
-    state, asked: list[Asked], form: Format, limits: Limits, floor: bool = False
+    state, asked: list[Asked], form: Format, limits: Limits | None, floor: bool = False
 ) -> tuple[tuple[int, ...], list[tuple[Ordering, ...]]]:
     """The state's trunk (tokens without BOS) and each question's orderings as branches of it; raises
-    ScoringError. An empty state is refused, unless it is read on purpose (`floor`: the questions' prior)."""
+    ScoringError. An empty state is refused, unless it is read on purpose (`floor`: the questions' prior).
+    The state is held to limits.max_content_tokens; without limits, only the buckets bound it (a state with
+    its largest question must fit the largest: packer.content_trees refuses it otherwise)."""
     if not floor and (state in ("", {}, []) or (isinstance(state, str) and not state.strip())):
         raise ScoringError("empty_state", "the state is empty: give the text or JSON to decide over", "state")
     tokenizer, prefix = form.tokenizer, form.tokenizer.prefix()
@@ -219,7 +221,7 @@ def read_state(
             cut = sum(1 for _, end in offsets if end <= state_end)
             if trunk is None:
                 trunk = tuple(ids[:cut])
-                if len(trunk) > limits.max_content_tokens:
+                if limits is not None and len(trunk) > limits.max_content_tokens:
                     raise ScoringError(
                         "content_too_long",
                         f"the state's prompt is {len(trunk)} tokens; at most {limits.max_content_tokens}",

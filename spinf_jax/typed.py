@@ -265,7 +265,8 @@ class TypedReader:
         reads, trees = [], []
         for state, param in zip(states, params, strict=True):
             try:
-                trunk, branches = read_state(state, asked, self.format, self.limits)
+                # The decision APIs' state budget is the buckets' (System One allows 32k tokens of state).
+                trunk, branches = read_state(state, asked, self.format, None)
             except ScoringError as e:
                 if e.param == "state" and param != "state":
                     e.param = param
@@ -276,7 +277,7 @@ class TypedReader:
         plan = TypedPlan(questions, settings, reads, trees, len(prefix))
         if settings.prior:
             floor, floor_trees = self._trees(
-                *read_state("", asked, self.format, self.limits, True), questions, ""
+                *read_state("", asked, self.format, None, True), questions, ""
             )
             plan.floor, plan.trees = floor, trees + floor_trees
         if plan.input_tokens > self.limits.max_request_tokens:

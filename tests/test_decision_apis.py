@@ -420,3 +420,23 @@ def test_temperatures_by_type_and_by_option_count(gemma_engine, tmp_path):
         path.write_text(json.dumps(bad))
         with pytest.raises(CalibrationError):
             load_calibration(path)
+
+
+def test_a_state_is_bounded_by_the_buckets_not_the_scoring_limit(apis):
+    """A state past the scoring API's 4,096 tokens is read where the largest bucket holds it with its
+    questions; past that it is refused naming the bucket, never cut."""
+    long_state = "The customer wrote again about the same invoice. " * 900  # about 9,000 tokens
+    with pytest.raises(ScoringError) as e:
+        apis.systemone({"state": long_state, "questions": {"r": REFUND}})
+    assert e.value.code == "question_too_large" and "largest bucket is 1024" in e.value.message
+    assert e.value.param == "state"
+
+
+@pytest.mark.slow  # a pass of the 6,144-row program: a minute on the 2-core machine
+def test_a_state_past_the_scoring_limit_is_read_where_a_bucket_holds_it(url):
+    long_state = "The customer wrote again about the same invoice. " * 460  # about 4,600 tokens
+    reply = httpx.post(
+        f"{url}/v1/systemone", json={"state": long_state, "questions": {"r": REFUND}}, timeout=300
+    )
+    assert reply.status_code == 200, reply.text
+    assert 4096 < reply.json()["usage"]["input_tokens"] < 6144

@@ -13,6 +13,7 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
   litestar==2.25.0 msgspec==0.22.0 prometheus-client==0.26.0 uvicorn==0.54.0 zstandard==0.25.0 hatchling \
   pytest==9.2.0 hypothesis==6.170.15 2>&1 | grep -v "is ignored" || true
 rm -f "$out"/wheels/numpy-*  # the machine's own numpy stays (jax was built against it)
+rm -f "$out"/wheels/pillow-*  # its image has Pillow, and the 7 MB wheel would take a call past 64 MiB
 .venv/bin/python - "$out/tokenizer" <<'PY'
 import sys
 from pathlib import Path

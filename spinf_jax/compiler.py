@@ -265,8 +265,8 @@ def _invalid(param: str | None, message: str) -> ScoringError:
 # Content
 
 
-# Where an image part is in a content's text (U+FFFC, the object replacement character); _content_ids puts the
-# image's tokens there.
+# Where an image part is in a content's text (U+FFFC, the object replacement character): media_content_ids
+# puts the image's tokens there.
 IMAGE_MARK = "\ufffc"
 
 
@@ -384,8 +384,8 @@ def _image_bytes(url: str, param: str, limits: Limits) -> bytes:
 
 
 def _media_pieces(text: str, parts: tuple, param: str, formats: MediaFormats) -> list[str]:
-    """Every text piece _content_ids tokenises for a content with media: the text around them, the gap text,
-    videos' time stamps."""
+    """Every text piece media_content_ids tokenises for a content with media: the text around them, the gap
+    text, videos' time stamps."""
     stamps = [s for p in parts if isinstance(p, ContentVideo) for s in p.stamps()]
     return [*_text_pieces(text, parts, param), formats.gap, *stamps]
 
@@ -400,7 +400,7 @@ def _text_pieces(text: str, parts: tuple, param: str) -> list[str]:
     return pieces
 
 
-def _content_ids(
+def media_content_ids(
     text: str,
     parts: tuple,
     ids: Mapping[str, tuple[int, ...]],
@@ -1017,7 +1017,7 @@ def compile_request(
         _check_workload(spec, calibration, scoring)
     wrapped = [p.presentation for p, *_ in asks if not p.presentation.bare]
     texts = {item: [item.text, *(w.prefix + item.text + w.suffix for w in wrapped)] for item in inputs}
-    pieces = [  # a content with media is tokenised piece by piece between its parts (_content_ids)
+    pieces = [  # a content with media is tokenised piece by piece between its parts (media_content_ids)
         piece
         for item, strings in texts.items()
         for text in strings
@@ -1026,7 +1026,7 @@ def compile_request(
     ids = _tokenize(tokenizer, pieces, used)
 
     def content(item: _Input, text: str) -> tuple[tuple[int, ...], MediaParts]:
-        return _content_ids(text, item.media, ids, formats, item.param)
+        return media_content_ids(text, item.media, ids, formats, item.param)
 
     read = {item: content(item, item.text) for item in inputs}
     for item in inputs:

@@ -6,15 +6,19 @@ of one read of its state), scored in the engine's shared passes, and finished in
     apis.systemone({"model": "jev-latest", "state": "...", "questions": {...}})   # Python objects in and out
 """
 
+import base64
+import binascii
 import json
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from spinf_jax import openai_decisions, systemone, typed
+from spinf_jax import media, openai_decisions, systemone, typed
 from spinf_jax.calibration import Calibration
-from spinf_jax.compiler import Limits
+from spinf_jax.compiler import IMAGE_MARK, ContentImage, Limits, MediaFormats
+from spinf_jax.decisions import StateImages
 from spinf_jax.decoding import convert
 from spinf_jax.errors import ScoringError
 
@@ -65,19 +69,52 @@ class DecisionApis:
         if self._reader is None:
             model = self.engine.model
             self._reader = typed.TypedReader(
-                model.tokenizer, self.engine.buckets, self.limits, self.calibration
+                model.tokenizer, self.engine.buckets, self.limits, self.calibration, self._image_tokens
             )
         return self._reader
+
+    def _image_tokens(self, part: ContentImage):
+        try:
+            return self.engine.image_tokens(part.digest, part.data, part.param + part.url)
+        except media.MediaError as e:
+            raise ScoringError(e.code, str(e), part.param + part.url) from None
+
+    def _formats(self, param: str) -> MediaFormats:
+        model = self.engine.model
+        if model.image_format is None:
+            raise ScoringError("unsupported_content", "this model reads no images", param)
+        return MediaFormats(model.image_format, model.audio_format)
+
+    def _asset_images(self, body: systemone.SystemOneRequest):
+        """The state with an IMAGE_MARK where each asset's reference stands, and its images in that order."""
+        formats = self._formats("assets")
+        images = {}
+        for ref, asset in body.assets.items():
+            where = f"assets.{ref}"
+            if asset.data_base64 is None:
+                raise ScoringError(
+                    "invalid_media", "an asset needs data_base64 (or a multipart part)", where + ".part"
+                )
+            try:
+                data = base64.b64decode(asset.data_base64, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise ScoringError(
+                    "invalid_media", f"not valid base64 ({e})", where + ".data_base64"
+                ) from None
+            most = self.limits.max_image_bytes
+            if len(data) > most:
+                raise ScoringError(
+                    "invalid_media", f"{len(data):,} bytes; an image is at most {most:,}", where
+                )
+            images[ref] = ContentImage(data, where, url=".data_base64")
+        return marked(body.state, images, formats, self.limits)
 
     # ---- planning (worker threads)
 
     def plan_systemone(self, body: systemone.SystemOneRequest) -> Planned:
-        if body.assets:
-            raise ScoringError(
-                "unsupported_content", "image assets are not read on the decision routes yet", "assets"
-            )
         ids, questions = systemone_questions(body.questions)
-        plan = self.reader.plan([body.state], questions, systemone_settings(body), ["state"])
+        state, images = self._asset_images(body) if body.assets else (body.state, None)
+        plan = self.reader.plan([state], questions, systemone_settings(body), ["state"], [images])
         return Planned(plan, body, ids)
 
     def plan_systemone_batch(self, body: systemone.SystemOneBatchRequest) -> Planned:
@@ -91,8 +128,50 @@ class DecisionApis:
     def plan_decisions(self, body: openai_decisions.DecisionsRequest) -> Planned:
         questions = openai_questions(body)
         settings = typed.Settings(orderings=body.x_orderings, workload=body.x_workload, prior=body.x_prior)
-        state = openai_state(body)
-        return Planned(self.reader.plan([state], questions, settings, ["input"]), body, [])
+        state, images = self._input(body)
+        return Planned(self.reader.plan([state], questions, settings, ["input"], [images]), body, [])
+
+    def _input(self, body: openai_decisions.DecisionsRequest) -> tuple[str, StateImages | None]:
+        """The input as the state every question reads: text as it is, messages' parts joined by blank lines
+        and newlines, an image part an IMAGE_MARK where it stands."""
+        if isinstance(body.input, str):
+            return body.input, None
+        found: list[ContentImage] = []
+        texts = []
+        for i, message in enumerate(body.input):
+            param = f"input[{i}].content"
+            parts = (
+                [openai_decisions.InputTextPart(text=message.content)]
+                if isinstance(message.content, str)
+                else message.content
+            )
+            pieces = []
+            for j, part in enumerate(parts):
+                if isinstance(part, openai_decisions.InputImagePart):
+                    where = f"{param}[{j}]"
+                    self._formats(where)
+                    try:
+                        found.append(
+                            ContentImage(
+                                media.decode_data_url(part.image_url, where), where, url=".image_url"
+                            )
+                        )
+                    except media.MediaError as e:
+                        raise ScoringError(e.code, str(e), where + ".image_url") from None
+                    pieces.append(IMAGE_MARK)
+                elif isinstance(part, openai_decisions.InputTextPart):
+                    pieces.append(_no_mark(part.text, f"{param}[{j}].text"))
+                else:
+                    pieces.append(json.dumps(part.data, ensure_ascii=False))
+            texts.append("\n".join(pieces))
+        if len(found) > self.limits.max_images_per_content:
+            raise ScoringError(
+                "too_many_images",
+                f"{len(found)} images; at most {self.limits.max_images_per_content}",
+                "input",
+            )
+        state = "\n\n".join(texts)
+        return state, StateImages(tuple(found), self._formats("input")) if found else None
 
     # ---- finishing (finisher threads)
 
@@ -294,30 +373,19 @@ def systemone_answer(a: typed.TypedAnswer, workload: str | None) -> systemone.Sy
 
 
 def _openai_text(parts: str | list[openai_decisions.InputPart], param: str) -> str:
-    """Text parts as they are, JSON parts as compact JSON, one per line; images are refused (no model that
-    reads them is served on this route yet)."""
+    """A question's instructions: text parts as they are, JSON parts as compact JSON, one per line."""
     if isinstance(parts, str):
         return parts
     out = []
     for j, part in enumerate(parts):
         if isinstance(part, openai_decisions.InputImagePart):
-            raise ScoringError(
-                "unsupported_content", "this route reads text and JSON parts; images are not read here",
-                f"{param}[{j}]",
-            )  # fmt: skip
+            raise ScoringError("unsupported_content", "images are read in the input only", f"{param}[{j}]")
         out.append(
             part.text
             if isinstance(part, openai_decisions.InputTextPart)
             else json.dumps(part.data, ensure_ascii=False)
         )
     return "\n".join(out)
-
-
-def openai_state(body: openai_decisions.DecisionsRequest) -> str:
-    """The input as the state every question reads: text as it is, messages' texts joined by blank lines."""
-    if isinstance(body.input, str):
-        return body.input
-    return "\n\n".join(_openai_text(m.content, f"input[{i}].content") for i, m in enumerate(body.input))
 
 
 def openai_questions(body: openai_decisions.DecisionsRequest) -> list[typed.TypedQuestion]:
@@ -372,3 +440,43 @@ def openai_answer(
     return openai_decisions.DecisionsScoreAnswer(
         score=a.expectation, probabilities=probabilities, confidence=a.confidence, **extras
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Images in a state
+
+
+def _no_mark(text: str, param: str) -> str:
+    if IMAGE_MARK in text:
+        raise ScoringError("invalid_request", "U+FFFC (the object replacement character) marks images", param)
+    return text
+
+
+def marked(state, images: dict[str, ContentImage], formats: MediaFormats, limits: Limits):
+    """The state with an IMAGE_MARK for each reference to an image in its strings (System One puts an asset's
+    reference, its key in `assets`, where the image stands), and the images in the order the marks stand in
+    its text (strings in order, an object's values in its order, as the state is written as JSON)."""
+    pattern = re.compile("|".join(re.escape(ref) for ref in sorted(images, key=len, reverse=True)))
+    order: list[ContentImage] = []
+
+    def walk(value, param: str):
+        if isinstance(value, str):
+            _no_mark(value, param)
+            return pattern.sub(lambda m: order.append(images[m.group(0)]) or IMAGE_MARK, value)
+        if isinstance(value, dict):
+            return {k: walk(v, f"{param}.{k}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, f"{param}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    state = walk(state, "state")
+    unused = set(images) - {image.param.removeprefix("assets.") for image in order}
+    if unused:
+        raise ScoringError(
+            "invalid_request", f"asset {sorted(unused)[0]!r} is not referenced in the state", "assets"
+        )
+    if len(order) > limits.max_images_per_content:
+        raise ScoringError(
+            "too_many_images", f"{len(order)} images; at most {limits.max_images_per_content}", "state"
+        )
+    return state, StateImages(tuple(order), formats)

@@ -34,7 +34,7 @@ from msgspec.structs import replace
 
 from spinf_jax import api, orderings
 from spinf_jax.calibration import Calibration, apply_temperature
-from spinf_jax.compiler import Limits
+from spinf_jax.compiler import IMAGE_MARK, Limits, MediaFormats, MediaParts, media_content_ids
 from spinf_jax.decoding import convert
 from spinf_jax.errors import ScoringError
 from spinf_jax.layout import QuestionKey, Tree
@@ -196,15 +196,33 @@ class Asked:
     orders: list[tuple[int, ...]]
 
 
+@dataclass(frozen=True)
+class StateImages:
+    """The images of a state, in the order their IMAGE_MARKs stand in its text, and how the model reads
+    them."""
+
+    parts: tuple  # compiler.ContentImage
+    formats: MediaFormats
+
+
 def read_state(
-    state, asked: list[Asked], form: Format, limits: Limits | None, floor: bool = False
-) -> tuple[tuple[int, ...], list[tuple[Ordering, ...]]]:
-    """The state's trunk (tokens without BOS) and each question's orderings as branches of it; raises
-    ScoringError. An empty state is refused, unless it is read on purpose (`floor`: the questions' prior).
-    The state is held to limits.max_content_tokens; without limits, only the buckets bound it (a state with
-    its largest question must fit the largest: packer.content_trees refuses it otherwise)."""
+    state,
+    asked: list[Asked],
+    form: Format,
+    limits: Limits | None,
+    floor: bool = False,
+    images: StateImages | None = None,
+) -> tuple[tuple[int, ...], list[tuple[Ordering, ...]], MediaParts]:
+    """The state's trunk (tokens without BOS), each question's orderings as branches of it, and where the
+    state's images stand in the trunk; raises ScoringError. An empty state is refused, unless it is read on
+    purpose (`floor`: the questions' prior). The state is held to limits.max_content_tokens; without limits,
+    only the buckets bound it (a state with its largest question must fit the largest: packer.content_trees
+    refuses it otherwise). With images, the state's text is tokenised piece by piece around them and apart
+    from the questions, as /v1/score tokenises a content with images."""
     if not floor and (state in ("", {}, []) or (isinstance(state, str) and not state.strip())):
         raise ScoringError("empty_state", "the state is empty: give the text or JSON to decide over", "state")
+    if images is not None and images.parts:
+        return _read_with_images(state, asked, form, images)
     tokenizer, prefix = form.tokenizer, form.tokenizer.prefix()
     trunk, out = None, []
     for question in asked:
@@ -237,7 +255,37 @@ def read_state(
             digest = hashlib.sha256(text.encode()).hexdigest()
             branches.append(Ordering(order, digest, tuple(ids[cut:]), len(prefix) + len(ids)))
         out.append(tuple(branches))
-    return trunk, out
+    return trunk, out, ()
+
+
+def _read_with_images(
+    state, asked: list[Asked], form: Format, images: StateImages
+) -> tuple[tuple[int, ...], list[tuple[Ordering, ...]], MediaParts]:
+    tokenizer, prefix = form.tokenizer, form.tokenizer.prefix()
+    trunk, placed, out = None, (), []
+    for question in asked:
+        branches = []
+        for order in question.orders:
+            text, state_end = form.render(state, question.question, [question.options[i] for i in order])
+            if trunk is None:
+                head = text[:state_end]
+                pieces = [*head.split(IMAGE_MARK), images.formats.gap]
+                ids = {piece: tuple(tokenizer.encode(piece)) for piece in pieces}
+                trunk, placed = media_content_ids(head, images.parts, ids, images.formats, "state")
+                if prefix and trunk[: len(prefix)] == tuple(prefix):  # the template wrote BOS itself
+                    trunk = trunk[len(prefix) :]
+                    placed = tuple((row - len(prefix), part) for row, part in placed)
+            if IMAGE_MARK in text[state_end:]:
+                raise ScoringError(
+                    "unsupported_content",
+                    "images are read in the state only, not in questions",
+                    question.param,
+                )
+            rest = tuple(tokenizer.encode(text[state_end:]))
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            branches.append(Ordering(order, digest, rest, len(prefix) + len(trunk) + len(rest)))
+        out.append(tuple(branches))
+    return trunk, out, placed
 
 
 def compile_decisions(
@@ -257,7 +305,7 @@ def compile_decisions(
         asked.append(
             Asked(param, question.question, options, orderings.orders(len(options), question.orderings))
         )
-    trunk, branches = read_state(state, asked, form, limits)
+    trunk, branches, _ = read_state(state, asked, form, limits)
     decisions = [
         Decision(q.id, tuple(o.id for o in q.options), b, q.orderings is not None, q.workload)
         for q, b in zip(questions, branches, strict=True)

@@ -40,10 +40,12 @@ class SystemOneQuestion(Struct, kw_only=True):
 
 
 class SystemOneAsset(Struct, kw_only=True):
+    """An image a reference to which (the asset's key in `assets`) stands in the state."""
+
     type: Literal["image"]
-    format: Literal["png", "jpg", "jpeg"]
+    format: Literal["png", "jpg", "jpeg"] | None = None
     data_base64: str | None = None
-    part: str | None = None
+    part: Annotated[str | None, Meta(description="a multipart body's part holding the file")] = None
 
 
 class SystemOneRequest(Struct, kw_only=True):

@@ -28,6 +28,7 @@ order, or with which other states in the pass.
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,7 @@ import numpy as np
 from spinf_jax import api, orderings
 from spinf_jax.calibration import Calibration, apply_temperature
 from spinf_jax.compiler import Limits
-from spinf_jax.decisions import Asked, Contract, Format, Ordering, by_option, read_state
+from spinf_jax.decisions import Asked, Contract, Format, Ordering, StateImages, by_option, read_state
 from spinf_jax.errors import ScoringError
 from spinf_jax.layout import QuestionKey, Tree
 from spinf_jax.packer import Buckets, content_trees
@@ -210,13 +211,23 @@ class TypedReader:
     """Typed questions over an engine's model: a request's states and questions → trees, and their results
     → answers. One Format (the labels the tokenizer reads as single tokens) per reader."""
 
-    def __init__(self, tokenizer, buckets: Buckets, limits: Limits, calibration: Calibration | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        buckets: Buckets,
+        limits: Limits,
+        calibration: Calibration | None = None,
+        image_tokens: Callable | None = None,
+    ):
+        """image_tokens: an image part (compiler.ContentImage) → its soft tokens, for a model that reads
+        images (Engine.image_tokens)."""
         if tokenizer is None:
             raise ScoringError("decisions_unsupported", "decisions need a model with a tokenizer")
         self.format = Format(tokenizer, TYPED_OPTIONS, MAX_OPTIONS)
         self.buckets = buckets
         self.limits = limits
         self.calibration = calibration
+        self.image_tokens = image_tokens
 
     @property
     def version(self) -> str:
@@ -245,9 +256,15 @@ class TypedReader:
             )
 
     def plan(
-        self, states: list, questions: list[TypedQuestion], settings: Settings, params: list[str]
+        self,
+        states: list,
+        questions: list[TypedQuestion],
+        settings: Settings,
+        params: list[str],
+        images: list[StateImages | None] | None = None,
     ) -> TypedPlan:
-        """The trees of every state's questions; params: where each state is in the request, for errors."""
+        """The trees of every state's questions; params: where each state is in the request, for errors;
+        images: each state's, where it has any (its text holds an IMAGE_MARK where each stands)."""
         self.check(questions, settings)
         prefix = self.format.tokenizer.prefix()
         asked_per_state = sum(len(orderings.orders(len(q.names), settings.orderings)) for q in questions)
@@ -263,22 +280,21 @@ class TypedReader:
             for q in questions
         ]
         reads, trees = [], []
-        for state, param in zip(states, params, strict=True):
+        for state, param, pictures in zip(states, params, images or [None] * len(states), strict=True):
             try:
                 # The decision APIs' state budget is the buckets' (System One allows 32k tokens of state).
-                trunk, branches = read_state(state, asked, self.format, None)
+                trunk, branches, placed = read_state(state, asked, self.format, None, images=pictures)
             except ScoringError as e:
                 if e.param == "state" and param != "state":
                     e.param = param
                 raise
-            read, read_trees = self._trees(trunk, branches, questions, param)
+            read, read_trees = self._trees(trunk, branches, questions, param, placed)
             reads.append(read)
             trees += read_trees
         plan = TypedPlan(questions, settings, reads, trees, len(prefix))
         if settings.prior:
-            floor, floor_trees = self._trees(
-                *read_state("", asked, self.format, None, True), questions, ""
-            )
+            trunk, branches, _ = read_state("", asked, self.format, None, True)
+            floor, floor_trees = self._trees(trunk, branches, questions, "")
             plan.floor, plan.trees = floor, trees + floor_trees
         if plan.input_tokens > self.limits.max_request_tokens:
             raise ScoringError(
@@ -288,14 +304,17 @@ class TypedReader:
             )
         return plan
 
-    def _trees(self, trunk, branches, questions: list[TypedQuestion], param: str) -> tuple[StateRead, list]:
+    def _trees(
+        self, trunk, branches, questions: list[TypedQuestion], param: str, placed=()
+    ) -> tuple[StateRead, list]:
         keys = [
             QuestionKey(o.branch_ids, tuple((i,) for i in self.format.label_ids[: len(q.names)]))
             for q, b in zip(questions, branches, strict=True)
             for o in b
         ]
+        soft = tuple((row, self.image_tokens(part)) for row, part in placed)
         try:
-            chunks = content_trees(self.format.tokenizer.prefix(), list(trunk), keys, self.buckets)
+            chunks = content_trees(self.format.tokenizer.prefix(), list(trunk), keys, self.buckets, soft)
         except ValueError as e:
             raise ScoringError("question_too_large", str(e), param) from e
         return StateRead(trunk, branches), [tree for tree, _ in chunks]

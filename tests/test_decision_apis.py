@@ -4,6 +4,7 @@ suite jevcompat; every answer bit-identical whatever else is asked, under whatev
 alone or in a batch."""
 
 import asyncio
+import base64
 import gzip
 import json
 import math
@@ -440,3 +441,73 @@ def test_a_state_past_the_scoring_limit_is_read_where_a_bucket_holds_it(url):
     )
     assert reply.status_code == 200, reply.text
     assert 4096 < reply.json()["usage"]["input_tokens"] < 6144
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Images: System One's assets (inline, and as multipart parts through the SDK), OpenAI's input_image parts,
+# on the tiny Gemma 3 vision fixture (its text read byte by byte)
+
+MEDIA = Path(__file__).resolve().parent.parent / "fixtures" / "media"
+DARK = {"dark": {"type": "noul", "instructions": "Is the picture dark?"}}
+
+
+def _asset(name: str) -> dict:
+    return {
+        "type": "image",
+        "format": "png",
+        "data_base64": base64.b64encode((MEDIA / name).read_bytes()).decode(),
+    }
+
+
+@pytest.fixture(scope="module")
+def vision():
+    return DecisionApis(engines.with_bytes("gemma3-vision"))
+
+
+def test_an_image_in_the_state_is_read(vision, apis):
+    def ask(name: str, questions=DARK) -> dict:
+        body = {"state": {"photo": "<image:1>", "note": "taken at night"}, "questions": questions}
+        return vision.systemone(body | {"assets": {"<image:1>": _asset(name)}})
+
+    gradient, grey = ask("gradient.png"), ask("grey.png")
+    assert gradient["answers"]["dark"]["noul"] != grey["answers"]["dark"]["noul"]  # the pixels are read
+    soft = 16  # the fixture's mm_tokens_per_image
+    alone = vision.systemone({"state": {"photo": "", "note": "taken at night"}, "questions": DARK})
+    assert gradient["usage"]["input_tokens"] - alone["usage"]["input_tokens"] >= soft
+    with_more = ask("gradient.png", {**POOL, **DARK})["answers"]
+    assert with_more["dark"] == gradient["answers"]["dark"]  # the same bits whatever else is asked
+    # OpenAI's input_image at the same place in the same text: the same prompt, the same bits
+    image_url = "data:image/png;base64," + _asset("gradient.png")["data_base64"]
+    message = [{"type": "input_text", "text": "Photo:"}, {"type": "input_image", "image_url": image_url}]
+    decided = vision.decisions({
+        "input": [{"role": "user", "content": message}],
+        "questions": [{"type": "predicate", "instructions": DARK["dark"]["instructions"]}],
+        "x_refusal_below": 0,
+    })  # fmt: skip
+    same = vision.systemone(
+        {"state": "Photo:\n<i>", "questions": DARK, "assets": {"<i>": _asset("gradient.png")}}
+    )
+    assert decided["answers"][0]["probability"] == same["answers"]["dark"]["noul"]
+    refusals = {
+        "invalid_media": {"state": "<i>", "assets": {"<i>": {"type": "image", "data_base64": "not base64!"}}},
+        "invalid_request": {"state": "no image here", "assets": {"<i>": _asset("grey.png")}},
+    }
+    for code, body in refusals.items():
+        with pytest.raises(ScoringError) as e:
+            vision.systemone(body | {"questions": DARK})
+        assert e.value.code == code, e.value.message
+    with pytest.raises(ScoringError) as e:  # a model that reads no images
+        apis.systemone({"state": "<i>", "questions": DARK, "assets": {"<i>": _asset("grey.png")}})
+    assert e.value.code == "unsupported_content"
+
+
+def test_the_sdk_sends_image_assets_as_multipart_parts(vision):
+    with serving(create_app(Settings("vision", packs={}), vision.engine)) as vision_url:
+        client = typesafe_sdk.TypeSafeClient(base_url=vision_url, api_key="unused")
+        photo = typesafe_sdk.Image((MEDIA / "gradient.png").read_bytes())
+        with client.attach_assets(photo):
+            reply = client.system_one(f"Photo:\n{photo}", DARK)
+    inline = vision.systemone(
+        {"state": f"Photo:\n{photo}", "questions": DARK, "assets": {str(photo): _asset("gradient.png")}}
+    )
+    assert reply.nouls["dark"].noul == inline["answers"]["dark"]["noul"]

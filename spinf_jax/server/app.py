@@ -31,7 +31,7 @@ from spinf_jax.progress import PROGRESS, Progress, log
 from spinf_jax.runner import QueueFull, Runner
 from spinf_jax.server import profiling
 from spinf_jax.server.auth import ApiKeys
-from spinf_jax.server.decision_routes import decision_routes
+from spinf_jax.server.decision_routes import decision_routes, systemone_multipart
 from spinf_jax.server.encoding import decompressing
 from spinf_jax.server.errors import (
     EXCEPTION_HANDLERS,
@@ -44,6 +44,7 @@ from spinf_jax.server.memory import check_fits
 from spinf_jax.server.metrics import DISCONNECTED, UNMATCHED, Metrics
 from spinf_jax.server.settings import Settings
 from spinf_jax.service import Service
+from spinf_jax.systemone import SystemOneRequest
 
 MAX_BODY = 2 * 1024 * 1024
 # How a key is sent (server/auth.py), for the OpenAPI document; routes that take one list KEYED (the key is
@@ -166,7 +167,11 @@ class ApiRequest(Request):
 
     async def json(self) -> api.ScoreRequest:
         # Litestar stops reading past request_max_body_size (413)
-        return decode(await self.body(), self.route_handler.parsed_data_field.annotation)
+        kind = self.route_handler.parsed_data_field.annotation
+        multipart = self.headers.get("content-type", "").startswith("multipart/form-data")
+        if multipart and kind is SystemOneRequest:  # image assets as parts (the System One SDK's way)
+            return await systemone_multipart(self)
+        return decode(await self.body(), kind)
 
 
 async def _refuse_empty_body(request: Request) -> None:

@@ -7,6 +7,7 @@
   a 5xx).
 """
 
+import base64
 import re
 
 import anyio.to_thread
@@ -14,9 +15,11 @@ from litestar import Request, Response, post
 from litestar.exceptions import HTTPException
 from litestar.openapi import ResponseSpec
 from litestar.params import JSONBody
+from msgspec.structs import replace
 
 from spinf_jax import openai_decisions, systemone
 from spinf_jax.decision_apis import ALIASES
+from spinf_jax.decoding import decode
 from spinf_jax.errors import ScoringError
 from spinf_jax.server.errors import ClientGone, handle_unexpected
 
@@ -91,6 +94,28 @@ _RESPONSES = {
     429: ResponseSpec(dict, generate_examples=False, description="the queue is full: Retry-After"),
     503: ResponseSpec(dict, generate_examples=False, description="loading or overloaded: Retry-After"),
 }
+
+
+async def systemone_multipart(request: Request) -> systemone.SystemOneRequest:
+    """A System One body sent as multipart/form-data, as the SDK sends image assets: the JSON as the part
+    `request`, each asset's file as the part its entry names (`asset-0`, ...)."""
+    form = await request.form()
+    raw = form.get("request")
+    if raw is None:
+        raise ScoringError(
+            "invalid_request", 'a multipart body needs its JSON as the part "request"', "request"
+        )
+    body = decode(await raw.read() if hasattr(raw, "read") else raw.encode(), systemone.SystemOneRequest)
+    assets = dict(body.assets or {})
+    for ref, asset in assets.items():
+        if asset.part is None or asset.data_base64 is not None:
+            continue
+        upload = form.get(asset.part)
+        if upload is None:
+            raise ScoringError("invalid_media", f"the body has no part {asset.part!r}", f"assets.{ref}.part")
+        content = await upload.read() if hasattr(upload, "read") else upload.encode("latin-1")
+        assets[ref] = replace(asset, data_base64=base64.b64encode(content).decode())
+    return replace(body, assets=assets or None)
 
 
 def _check_model(server, model: str | None) -> None:

@@ -4,6 +4,7 @@ import argparse
 import os
 import sys
 from contextlib import nullcontext
+from importlib.metadata import version
 from pathlib import Path
 
 
@@ -447,6 +448,7 @@ PRECISION_DEFAULT = "default: what a `spinf-jax quantize` folder was written for
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spinf-jax", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"spinf-jax {version('spinf-jax')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("parity", help="compare our log-probabilities with recorded transformers references")
@@ -612,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibrate",
         help="fit one temperature per workload on labelled rows (docs/calibration.md)",
         description="Scores labelled decisions or questions, fits a temperature per workload by NLL, reports "
-        "accuracy, balanced accuracy, NLL, Brier and ECE before and after (out of fold, with bootstrap 95%% "
+        "accuracy, balanced accuracy, NLL, Brier and ECE before and after (out of fold, with bootstrap 95% "
         "intervals), draws a reliability plot per workload, and writes the file `serve --calibration` reads.",
     )
     p.add_argument(

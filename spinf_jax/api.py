@@ -198,6 +198,10 @@ class ScoreRequest(Struct, kw_only=True):
 class ChatCompletionRequest(ScoreRequest, kw_only=True):
     """The scoring request as the OpenAI SDKs send it: scoring, inputs and packs travel in extra_body."""
 
+    stream: Annotated[
+        bool | None, Meta(description="scores are not streamed: true answers streaming_unsupported")
+    ] = None
+
 
 # ---------------------------------------------------------------------------------------------------------
 # The response (SPEC section 2)

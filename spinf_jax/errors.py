@@ -37,6 +37,7 @@ CODES: dict[str, tuple[int, str]] = {
     "too_many_tokens": (400, "the request would process more than 2,000,000 tokens"),
     "unknown_pack": (400, "no prompt pack of that id is loaded"),
     "scoring_required": (400, "a chat completion without a scoring block: this server does not chat"),
+    "streaming_unsupported": (400, "a chat completion with stream true: scores come whole, never streamed"),
     "too_many_slots": (400, "a template with more than one slot"),
     "unknown_slot": (400, "a {...} that is neither a slot ({?}, {*}, {n}, {$}) nor a placeholder name"),
     "closing_too_long": (400, "an extraction slot's closing text of more than 16 tokens"),

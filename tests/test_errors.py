@@ -177,6 +177,7 @@ def test_server_codes_are_reachable(client, monkeypatch, tmp_path):
     reached = {
         code_of(client.post("/v1/score", content=b"{nope"), 400),
         code_of(client.post("/v1/chat/completions", json={"messages": MESSAGES}), 400),
+        code_of(client.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True}), 400),
         code_of(client.post("/v1/score", json=_body(), headers={"authorization": "Bearer wrong"}), 401),
         code_of(client.post("/v1/score", json=_body(model="other")), 404),
         code_of(client.get("/v1/nothing"), 404),

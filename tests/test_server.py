@@ -152,6 +152,11 @@ def test_openai_sdk_chat_completions(url):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert e.value.code == "scoring_required"
+    with pytest.raises(openai.BadRequestError) as e:  # the SDK would wait for events that never come
+        client.chat.completions.create(
+            model=MODEL, messages=BODY["messages"], extra_body={"scoring": BODY["scoring"]}, stream=True
+        )
+    assert e.value.code == "streaming_unsupported"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(
             model="gpt-4o", messages=BODY["messages"], extra_body={"scoring": BODY["scoring"]}

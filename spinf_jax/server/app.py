@@ -244,6 +244,12 @@ async def score(request: Request, data: JSONBody[api.ScoreRequest]) -> api.Score
 async def chat_completions(request: Request, data: JSONBody[api.ChatCompletionRequest]) -> api.ChatCompletion:
     """The scoring request through the OpenAI SDKs. Without `scoring`, `inputs` or `packs` the answer is
     scoring_required: this server scores, it does not chat."""
+    if data.stream:  # a streaming client would otherwise wait for events that never come
+        raise ApiError(
+            "streaming_unsupported",
+            "scores are not streamed: send stream false (or leave it out); the reply comes whole",
+            "stream",
+        )
     if data.scoring is None and data.inputs is None and data.packs is None:
         raise ApiError(
             "scoring_required",

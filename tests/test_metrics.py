@@ -57,7 +57,7 @@ class Scrape(dict):
 def scrape(client) -> Scrape:
     response = client.get("/metrics")
     assert response.status_code == 200
-    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"  # charset once
     return Scrape(response.text)
 
 
@@ -167,6 +167,7 @@ def test_a_client_that_hangs_up_mid_body_is_not_a_500(bare_client):
 def test_openmetrics_when_the_scraper_asks_for_it(bare_client):
     response = bare_client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
     assert response.headers["content-type"].startswith("application/openmetrics-text")
+    assert response.headers["content-type"].count("charset") == 1
     assert response.text.endswith("# EOF\n")
 
 

@@ -416,6 +416,8 @@ async def health(request: Request) -> Response[api.Health]:
 def metrics(request: Request) -> Response[bytes]:
     """Collected on a worker thread: the process and device collectors make system calls."""
     body, content_type = _server(request).metrics.exposition(request.headers.get("accept", ""))
+    if content_type.startswith("text/"):  # Litestar adds the charset to a text type itself: once is enough
+        content_type = content_type.replace("; charset=utf-8", "")
     return Response(body, media_type=content_type)
 
 

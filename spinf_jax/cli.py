@@ -687,7 +687,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `serve --devices` passes it on
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # the reader left (`spinf-jax packs schema | head`): nothing more to say
+        # Python flushes stdout once more on its way out, which would raise again: point it at /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

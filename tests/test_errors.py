@@ -184,6 +184,8 @@ def test_server_codes_are_reachable(client, monkeypatch, tmp_path):
         code_of(client.get("/v1/score"), 405),
         code_of(client.post("/v1/score", content=b" " * (3 * 1024 * 1024)), 413),
     }
+    nowhere = client.post("/v1/scores", json=_body())  # a typo'd route says where the routes are
+    assert "no route POST /v1/scores" in nowhere.json()["error"]["message"] and "/schema" in nowhere.text
     server = client.app.state.server
     reached.add(code_of(client.post("/v1/admin/profile", json={}), 404))  # no --profile-dir
     monkeypatch.setattr(server, "settings", replace(server.settings, profile_dir=tmp_path))

@@ -84,6 +84,11 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
     if status == 413:
         message = "the request body is over the 2 MB limit"
+    elif status == 404:
+        message = (
+            f"no route {request.method} {request.url.path}: GET /schema lists the routes (OpenAPI), "
+            "docs/api.md says what each takes"
+        )
     else:
         message = exc.detail if isinstance(exc.detail, str) and exc.detail else "request refused"
     # Other refusals of the HTTP layer keep their status, under the code of their class.

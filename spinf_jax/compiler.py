@@ -27,7 +27,7 @@ from spinf_jax import api, audio, media, orderings
 from spinf_jax.answers import vocabulary
 from spinf_jax.audio import AudioFormat
 from spinf_jax.calibration import Calibration
-from spinf_jax.errors import ScoringError
+from spinf_jax.errors import ScoringError, excerpt
 from spinf_jax.layout import (
     MAX_ANSWER_TOKENS,
     MAX_CLOSING_TOKENS,
@@ -699,7 +699,8 @@ def _options(options: list[str] | None, slot: Slot, param: str, limits: Limits) 
         if option.lower() in seen:
             raise ScoringError(
                 "duplicate_option",
-                f"option {option!r} repeats {seen[option.lower()]!r} (options are compared ignoring case)",
+                f"option {excerpt(option)} repeats {excerpt(seen[option.lower()])} (options are compared "
+                "ignoring case)",
                 f"{param}[{j}]",
             )
         seen[option.lower()] = option
@@ -926,12 +927,12 @@ def _build_query(
     for j, (option, tokens) in enumerate(zip(spec.options, option_ids, strict=True)):
         if not tokens:
             raise ScoringError(
-                "invalid_option", f"option {option!r} has no tokens", f"{spec.param}.options[{j}]"
+                "invalid_option", f"option {excerpt(option)} has no tokens", f"{spec.param}.options[{j}]"
             )
         if len(tokens) > limits.max_option_tokens:
             raise ScoringError(
                 "option_too_long",
-                f"option {option!r} is {len(tokens)} tokens; at most {limits.max_option_tokens}",
+                f"option {excerpt(option)} is {len(tokens):,} tokens; at most {limits.max_option_tokens}",
                 f"{spec.param}.options[{j}]",
             )
     questions, checked = [], set()  # checked: junctions whose options all join cleanly

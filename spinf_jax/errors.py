@@ -75,12 +75,29 @@ CODES: dict[str, tuple[int, str]] = {
 }
 
 
+# A refusal's message at most this long: one that quotes the request (an option, a template) says which part
+# with an excerpt (`excerpt`), and a message that still runs over is cut, so a 1 MB field is never echoed.
+MAX_MESSAGE = 1_000
+
+
+def excerpt(value: object, most: int = 60) -> str:
+    """repr(value), its middle elided past `most` characters (and then the value's length said)."""
+    text = repr(value)
+    if len(text) <= most:
+        return text
+    length = len(value) if isinstance(value, str) else len(text)
+    return f"{text[: most // 2]}…{text[-most // 2 :]} ({length:,} characters)"
+
+
 class ScoringError(Exception):
-    """A request the API refuses; `code`, `message` and `param` go to the client as they are."""
+    """A request the API refuses; `code`, `message` and `param` go to the client as they are (the message
+    cut at MAX_MESSAGE characters)."""
 
     def __init__(self, code: str, message: str, param: str | None = None):
         if code not in CODES:
             raise ValueError(f"error code {code!r} is not defined in spinf_jax.errors.CODES")
+        if len(message) > MAX_MESSAGE:
+            message = message[:MAX_MESSAGE] + "… (cut)"
         super().__init__(message)
         self.code = code
         self.message = message

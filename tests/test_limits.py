@@ -192,3 +192,13 @@ def test_the_content_limit_is_served_on_the_default_buckets(gemma_engine):
     with pytest.raises(ScoringError) as e:
         engine.score(_body(text=_text_of(engine.model.tokenizer, LIMITS.max_content_tokens + 1)))
     assert (e.value.code, e.value.param) == ("content_too_long", "messages")
+
+
+def test_a_refusal_quotes_an_excerpt_of_the_input_not_all_of_it(gemma_engine):
+    """A 1 MB option over the token limit: the message names it by an excerpt and its length."""
+    huge = " word" * 200_000
+    with pytest.raises(ScoringError) as e:
+        Scorer(gemma_engine).plan(_body(YES_NO | {"options": [" yes", huge]}))
+    assert e.value.code == "option_too_long" and len(e.value.message) < 300
+    assert "(1,000,000 characters)" in e.value.message
+    assert len(ScoringError("invalid_request", "x" * 5_000).message) < 1_100  # and any message is cut

@@ -55,6 +55,8 @@ ANGER = {
     "criteria": ["Calm", "Upset", ["Very", "angry"]],
 }
 URGENT = {"type": "noul", "criteria": {"true": "The customer needs an answer today"}}
+# A pass on the CPU can take seconds while the other worker compiles: no client here gives up on it.
+HTTP = httpx.Client(timeout=300)
 QUESTIONS = {"refund": REFUND, "team": TEAM, "anger": ANGER, "urgent": URGENT}
 
 
@@ -245,21 +247,21 @@ def test_jevcompat_finds_the_server_conformant_with_a_key(engine_6k):
 
 def test_the_official_sdk_parses_every_answer_from_a_zstd_body(url):
     """typesafe-sdk compresses bodies of 1 KiB and more with zstd (its `zstd` extra is installed here)."""
-    client = typesafe_sdk.TypeSafeClient(base_url=url, api_key="unused", compression="zstd")
+    client = typesafe_sdk.TypeSafeClient(base_url=url, api_key="unused", compression="zstd", timeout=300)
     long_state = STATE + " " + "More context about the order. " * 60  # over 1 KiB: sent compressed
     reply = client.system_one(long_state, {"refund": REFUND, "team": TEAM, "anger": ANGER})
     assert reply.model == "spinf/gemma-3-270m" and reply.request_id.startswith("req_")
     assert 0 <= reply.nouls["refund"].noul <= 1
     assert reply.choices["team"].choice in TEAM["criteria"]
     assert reply.answers["anger"].legend[2] == ["Very", "angry"]  # the SDK keys levels by integer
-    plain = httpx.post(f"{url}/v1/systemone", json={"state": long_state, "questions": {"team": TEAM}})
+    plain = HTTP.post(f"{url}/v1/systemone", json={"state": long_state, "questions": {"team": TEAM}})
     assert reply.answers["team"].probabilities == plain.json()["answers"]["team"]["probabilities"]
     listed = client.models.list()
     assert [m.name for m in listed.models] == ["spinf/gemma-3-270m"]
 
 
 def test_the_openai_sdk_parses_every_decision_type(url):
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300)
     decision = client.decisions.create(
         model="gpt-6-luna",
         input=STATE,
@@ -277,43 +279,43 @@ def test_the_openai_sdk_parses_every_decision_type(url):
 
 
 def test_errors_come_in_the_shapes_decision_clients_parse(url):
-    bad = httpx.post(f"{url}/v1/systemone", json={"state": STATE, "questions": {"q.1": {"type": "boolean"}}})
+    bad = HTTP.post(f"{url}/v1/systemone", json={"state": STATE, "questions": {"q.1": {"type": "boolean"}}})
     assert bad.status_code == 422 and bad.headers["x-typesafe-request-id"].startswith("req_")
     (item,) = bad.json()["detail"]
     assert item["loc"][:2] == ["body", "questions"] and item["type"] == "invalid_request"
-    missing = httpx.post(f"{url}/v1/decisions", json={"input": "x"})
+    missing = HTTP.post(f"{url}/v1/decisions", json={"input": "x"})
     assert missing.status_code == 422 and missing.json()["detail"][0]["loc"] == ["body", "questions"]
-    unknown = httpx.post(
+    unknown = HTTP.post(
         f"{url}/v1/systemone", json={"model": "nope", "state": "x", "questions": {"r": REFUND}}
     )
     assert unknown.status_code == 404 and unknown.json()["detail"]["error_type"] == "not_found_error"
-    not_json = httpx.post(f"{url}/v1/systemone", content=b"{", headers={"content-type": "application/json"})
+    not_json = HTTP.post(f"{url}/v1/systemone", content=b"{", headers={"content-type": "application/json"})
     assert not_json.status_code == 422 and not_json.json()["detail"][0]["type"] == "invalid_json"
-    ours = httpx.post(f"{url}/v1/score", json={"messages": []})  # our own routes keep our envelope
+    ours = HTTP.post(f"{url}/v1/score", json={"messages": []})  # our own routes keep our envelope
     assert ours.status_code == 400 and "error" in ours.json()
 
 
 def test_compressed_bodies_on_every_route_and_bombs_refused(url):
     body = json.dumps({"state": STATE, "questions": {"r": REFUND}}).encode()
-    plain = httpx.post(f"{url}/v1/systemone", content=body, headers={"content-type": "application/json"})
+    plain = HTTP.post(f"{url}/v1/systemone", content=body, headers={"content-type": "application/json"})
     for encoding, data in (
         ("gzip", gzip.compress(body)),
         ("zstd", zstandard.ZstdCompressor().compress(body)),
     ):
-        reply = httpx.post(f"{url}/v1/systemone", content=data, headers={"content-encoding": encoding})
+        reply = HTTP.post(f"{url}/v1/systemone", content=data, headers={"content-encoding": encoding})
         assert reply.status_code == 200 and reply.json()["answers"] == plain.json()["answers"]
     query = {"id": "r", "template": "\n\nRefund?{?}", "options": [" yes", " no"]}
     score = {"messages": [{"role": "user", "content": STATE}], "scoring": {"queries": [query]}}
-    zipped = httpx.post(f"{url}/v1/score", content=gzip.compress(json.dumps(score).encode()),
+    zipped = HTTP.post(f"{url}/v1/score", content=gzip.compress(json.dumps(score).encode()),
                         headers={"content-encoding": "gzip"})  # fmt: skip
     assert zipped.status_code == 200, zipped.text
     bomb = zstandard.ZstdCompressor().compress(b" " * 40_000_000)  # 40 MB in about 1 KB
     for path, shape in (("/v1/systemone", "detail"), ("/v1/score", "error")):
-        refused = httpx.post(f"{url}{path}", content=bomb, headers={"content-encoding": "zstd"})
+        refused = HTTP.post(f"{url}{path}", content=bomb, headers={"content-encoding": "zstd"})
         assert refused.status_code == 413 and shape in refused.json()
-    odd = httpx.post(f"{url}/v1/systemone", content=b"x", headers={"content-encoding": "br"})
+    odd = HTTP.post(f"{url}/v1/systemone", content=b"x", headers={"content-encoding": "br"})
     assert odd.status_code == 400 and "zstd" in odd.json()["detail"]["message"]
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert HTTP.get(f"{url}/health").status_code == 200
 
 
 def test_our_clients_speak_the_decision_apis(url):
@@ -436,7 +438,7 @@ def test_a_state_is_bounded_by_the_buckets_not_the_scoring_limit(apis):
 @pytest.mark.slow  # a pass of the 6,144-row program: a minute on the 2-core machine
 def test_a_state_past_the_scoring_limit_is_read_where_a_bucket_holds_it(url):
     long_state = "The customer wrote again about the same invoice. " * 460  # about 4,600 tokens
-    reply = httpx.post(
+    reply = HTTP.post(
         f"{url}/v1/systemone", json={"state": long_state, "questions": {"r": REFUND}}, timeout=300
     )
     assert reply.status_code == 200, reply.text
@@ -503,7 +505,7 @@ def test_an_image_in_the_state_is_read(vision, apis):
 
 def test_the_sdk_sends_image_assets_as_multipart_parts(vision):
     with serving(create_app(Settings("vision", packs={}), vision.engine)) as vision_url:
-        client = typesafe_sdk.TypeSafeClient(base_url=vision_url, api_key="unused")
+        client = typesafe_sdk.TypeSafeClient(base_url=vision_url, api_key="unused", timeout=300)
         photo = typesafe_sdk.Image((MEDIA / "gradient.png").read_bytes())
         with client.attach_assets(photo):
             reply = client.system_one(f"Photo:\n{photo}", DARK)

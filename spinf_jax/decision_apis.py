@@ -137,7 +137,7 @@ class DecisionApis:
         if isinstance(body.input, str):
             return body.input, None
         found: list[ContentImage] = []
-        texts = []
+        texts, formats = [], None
         for i, message in enumerate(body.input):
             param = f"input[{i}].content"
             parts = (
@@ -149,7 +149,7 @@ class DecisionApis:
             for j, part in enumerate(parts):
                 if isinstance(part, openai_decisions.InputImagePart):
                     where = f"{param}[{j}]"
-                    self._formats(where)
+                    formats = self._formats(where)
                     try:
                         found.append(
                             ContentImage(
@@ -164,14 +164,8 @@ class DecisionApis:
                 else:
                     pieces.append(json.dumps(part.data, ensure_ascii=False))
             texts.append("\n".join(pieces))
-        if len(found) > self.limits.max_images_per_content:
-            raise ScoringError(
-                "too_many_images",
-                f"{len(found)} images; at most {self.limits.max_images_per_content}",
-                "input",
-            )
-        state = "\n\n".join(texts)
-        return state, StateImages(tuple(found), self._formats("input")) if found else None
+        _check_count(found, self.limits, "input")
+        return "\n\n".join(texts), StateImages(tuple(found), formats) if found else None
 
     # ---- finishing (finisher threads)
 
@@ -475,8 +469,12 @@ def marked(state, images: dict[str, ContentImage], formats: MediaFormats, limits
         raise ScoringError(
             "invalid_request", f"asset {sorted(unused)[0]!r} is not referenced in the state", "assets"
         )
-    if len(order) > limits.max_images_per_content:
-        raise ScoringError(
-            "too_many_images", f"{len(order)} images; at most {limits.max_images_per_content}", "state"
-        )
+    _check_count(order, limits, "state")
     return state, StateImages(tuple(order), formats)
+
+
+def _check_count(images: list, limits: Limits, param: str) -> None:
+    if len(images) > limits.max_images_per_content:
+        raise ScoringError(
+            "too_many_images", f"{len(images)} images; at most {limits.max_images_per_content}", param
+        )

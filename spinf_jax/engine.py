@@ -67,7 +67,7 @@ HISTORY_STEPS = {
 # The most a decode step's history may hold (every row's keys and values for each of its HISTORY_STEPS
 # columns, and its recurrent layers' states): the step's largest input. At Gemma 3 12B's shape a generated
 # row's history is 54 MiB, so the 1,024 rows of a GPU step would need 54 GiB, which left no room on an 80 GB
-# H100 beside the weights and the pass's cache (start_time-h100-2026-12-05-seventeenth); at Qwen3.5-4B's a
+# H100 beside the weights and the pass's cache (start_time-h100-2026-12-05); at Qwen3.5-4B's a
 # row's states alone are 48 MiB. A width's steps take fewer rows where their history would not fit.
 HISTORY_BYTES = 20 << 30  # 12B: searched steps keep their 1,024 rows (18 GiB), generated ones take 256
 

@@ -229,7 +229,7 @@ def random_weights(decoder: Decoder, key: jax.Array, std: float = 0.02) -> None:
 def default_row_tile() -> int:
     """128 rows on the CPU; on GPUs 2,048, enough rows that the tiled GEMMs fill the GPU: at the 12B shape on
     an H100 (2026-12-06) a 16,384-row pass took 0.405 s against 0.427 s in 1,024-row tiles, and 8 clients
-    over HTTP got 1.056-1.058x the questions/s (benchmarks/results/README.md, twenty-sixth session)."""
+    over HTTP got 1.056-1.058x the questions/s (benchmarks/results/README.md, 2,048-row tiles)."""
     return 128 if jax.default_backend() == "cpu" else 2048
 
 

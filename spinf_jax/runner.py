@@ -7,7 +7,7 @@ batch without waiting for the host to cut, pack and launch, and the requests tha
 still make the next one. (Waiting for the device to be done, for more requests to come,
 left it idle for that host work between every two batches: at 8 clients of one article each on an H100, the
 passes run alone would have taken 85-86% of the wall time; launched behind, 89-90%, and 4.7% more questions a
-second; benchmarks/results, 2026-12-06, twenty-third session.) This thread does nothing but gather, cut and
+second; benchmarks/results, 2026-12-06, idle stretches.) This thread does nothing but gather, cut and
 launch, and between batches it sleeps on the queue; a waiter thread tells it when the device is on a batch's
 last pass and when it is done (_Done), reads the batch's results and hands them to finisher threads, which
 build the responses. (Launching a pass holds the thread that launches until the device has taken most of it:

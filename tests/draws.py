@@ -1,5 +1,5 @@
 """Random inputs for the kernels' tests, drawn with numpy: jax.random compiles a program per shape, which
-cost the suite ~30 s of XLA compiles (benchmarks/results/test-suite.md, twenty-fifth session)."""
+cost the suite ~30 s of XLA compiles (benchmarks/results/test-suite.md, the compile profile of 2026-12-06)."""
 
 import numpy as np
 

@@ -262,7 +262,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
     The halves (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) are written as one elementwise expression over
     the whole head, x·[cos, cos] + [x2, x1]·[−sin, sin], with the halves swapped by a reverse: split halves
     joined by a concatenate made XLA's GPU fusions compute each half (and the q/k norm before it) in a
-    kernel of its own and copy them together after (benchmarks/results, 2026-12-06, twenty-third session)."""
+    kernel of its own and copy them together (benchmarks/results, 2026-12-06, rope as one expression)."""
     with jax.named_scope("rope"):
         angles = positions.astype(jnp.float32)[:, None] * rope.inv_freq(x.shape[-1])[None, :]  # [T, D/2]
         cos, sin = jnp.cos(angles), jnp.sin(angles)

@@ -6,8 +6,9 @@ free port and sends every row with `orderings: "rotations"` (16 requests in flig
 (mode "decide": SemIf's direct-options-v1 prompt, letters read), as a question to /v1/score whose template
 lists the options (mode "score", TEMPLATES below: the options' own words read), and as a System One choice
 to /v1/systemone (mode "systemone": the typed-options-v1 prompt, labels read; "systemone-prior": the same
-with `x_prior`, each row's answer over the question's answer on an empty state). Per model, set and mode it
-measures:
+with `x_prior`, each row's answer over the question's answer on an empty state; "systemone-names" and
+"systemone-names-prior": the same under the typed-names-v1 contract, the options' names read). Per model,
+set and mode it measures:
 - accuracy and balanced accuracy of the options as listed (`probabilities`) and order-averaged (`combined`),
   with a paired bootstrap interval of the difference;
 - ECE, NLL and Brier before and after a temperature, out of fold (spinf_jax.calibration.report: 5 folds,
@@ -80,7 +81,7 @@ def ask(url: str, rows: list[dict], mode: str, name: str) -> list[dict]:
         return {"option_ids": ids, "probabilities": [o["p"] for o in combination["options"]],
                 "combined": combination["combined"]}  # fmt: skip
 
-    def systemone(row: dict, prior: bool) -> dict:
+    def systemone(row: dict, prior: bool, contract: str = "typed-options-v1") -> dict:
         ids = [o["id"] for o in row["options"]]
         question = {"type": "choice", "instructions": row["question"],
                     "criteria": {o["id"]: o["description"] for o in row["options"]}}  # fmt: skip
@@ -89,6 +90,7 @@ def ask(url: str, rows: list[dict], mode: str, name: str) -> list[dict]:
             "questions": {"q": question},
             "x_orderings": "rotations",
             "x_prior": prior,
+            "x_contract": contract,
         }
         answer = post("/v1/systemone", body)["answers"]["q"]
         listed = [answer["x_listed"][i] for i in ids]
@@ -109,6 +111,8 @@ def ask(url: str, rows: list[dict], mode: str, name: str) -> list[dict]:
         "score": score,
         "systemone": lambda row: systemone(row, False),
         "systemone-prior": lambda row: systemone(row, True),
+        "systemone-names": lambda row: systemone(row, False, "typed-names-v1"),
+        "systemone-names-prior": lambda row: systemone(row, True, "typed-names-v1"),
     }[mode]
     with ThreadPoolExecutor(16) as pool:
         return list(pool.map(ask_row, rows))
@@ -211,7 +215,8 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=["decide", "score", "systemone", "systemone-prior"],
-        help="/decide prompts, /v1/score questions, /v1/systemone choices (plain, and over their floor)",
+        help="/decide prompts, /v1/score questions, /v1/systemone choices (plain, and over their floor; "
+        "labels read, or with -names the options' names)",
     )
     parser.add_argument("--precision", default="fp32", help="serve's --precision")
     parser.add_argument("--limit", type=int, help="only the first N rows of each set")

@@ -127,7 +127,7 @@ class DecisionApis:
 
     def plan_decisions(self, body: openai_decisions.DecisionsRequest) -> Planned:
         questions = openai_questions(body)
-        settings = typed.Settings(orderings=body.x_orderings, workload=body.x_workload, prior=body.x_prior)
+        settings = typed.Settings(body.x_orderings, body.x_workload, body.x_prior, body.x_contract)
         state, images = self._input(body)
         return Planned(self.reader.plan([state], questions, settings, ["input"], [images]), body, [])
 
@@ -180,7 +180,7 @@ class DecisionApis:
             answers={qid: systemone_answer(a, workload) for qid, a in zip(planned.ids, answers, strict=True)},
             usage=systemone.SystemOneUsage(input_tokens=tokens),
             x_system_fingerprint=self.engine.fingerprint,
-            x_prompt_version=self.reader.version,
+            x_prompt_version=planned.plan.version,
         )
 
     def finish_systemone(self, planned: Planned, scored: list["Scored"]) -> systemone.SystemOneResponse:
@@ -214,7 +214,7 @@ class DecisionApis:
             ],
             usage=openai_decisions.usage(planned.plan.input_tokens),
             x_system_fingerprint=self.engine.fingerprint,
-            x_prompt_version=self.reader.version,
+            x_prompt_version=planned.plan.version,
         )
 
     # ---- the library's face: Python objects in and out
@@ -329,7 +329,7 @@ def _texts(values, param: str, allow_null: bool) -> None:
 
 
 def systemone_settings(body: systemone.SystemOneRequest | systemone.SystemOneBatchRequest) -> typed.Settings:
-    return typed.Settings(orderings=body.x_orderings, workload=body.x_workload, prior=body.x_prior)
+    return typed.Settings(body.x_orderings, body.x_workload, body.x_prior, body.x_contract)
 
 
 def systemone_answer(a: typed.TypedAnswer, workload: str | None) -> systemone.SystemOneAnswer:

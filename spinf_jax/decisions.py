@@ -67,7 +67,8 @@ class Contract:
     chat_version: str  # read through the model's chat template
     plain_version: str  # a base model: the system text, the payload, then "\n\nAnswer:" (a space, the label)
     system: str
-    payload: Callable[[object, object, list[dict], list[str]], tuple[str, int]]
+    # (state, question, options, labels or None: listed by name) → the message, and where the state ends
+    payload: Callable[[object, object, list[dict], list[str] | None], tuple[str, int]]
 
 
 DIRECT_OPTIONS = Contract("direct-options-v1", "direct-options-plain-v1", SYSTEM, json_payload)
@@ -110,11 +111,12 @@ class Format:
                     "the prompt, so decisions cannot be read from it",
                 )
 
-    def render(self, state, question, options: list[dict]) -> tuple[str, int]:
-        """The prompt's text, and where the state ends in it (characters)."""
-        return self._render(state, question, options, self.labels)
+    def render(self, state, question, options: list[dict], labelled: bool = True) -> tuple[str, int]:
+        """The prompt's text, and where the state ends in it (characters); `labelled` False: the options
+        listed by name, for a contract that reads the answer as an option's name."""
+        return self._render(state, question, options, self.labels if labelled else None)
 
-    def _render(self, state, question, options: list[dict], names: list[str]) -> tuple[str, int]:
+    def _render(self, state, question, options: list[dict], names: list[str] | None) -> tuple[str, int]:
         user, state_end = self.contract.payload(state, question, options, names)
         system = self.contract.system
         if not self.chat:
@@ -194,6 +196,7 @@ class Asked:
     question: object
     options: list[dict]
     orders: list[tuple[int, ...]]
+    labelled: bool = True  # listed with labels (the answer a label), or by name (the answer a name)
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,8 @@ def read_state(
     for question in asked:
         branches = []
         for order in question.orders:
-            text, state_end = form.render(state, question.question, [question.options[i] for i in order])
+            shown = [question.options[i] for i in order]
+            text, state_end = form.render(state, question.question, shown, question.labelled)
             encoding = tokenizer.backend.encode(text, add_special_tokens=False)
             ids = list(encoding.ids)
             if prefix and ids[:1] == prefix:  # the template wrote BOS itself; the tree adds it
@@ -266,7 +270,8 @@ def _read_with_images(
     for question in asked:
         branches = []
         for order in question.orders:
-            text, state_end = form.render(state, question.question, [question.options[i] for i in order])
+            shown = [question.options[i] for i in order]
+            text, state_end = form.render(state, question.question, shown, question.labelled)
             if trunk is None:
                 head = text[:state_end]
                 pieces = [*head.split(IMAGE_MARK), images.formats.gap]

@@ -52,6 +52,7 @@ CODES: dict[str, tuple[int, str]] = {
     "empty_state": (400, "a decision's state is empty"),
     "too_many_orderings": (400, '"all" orderings of more than 4 options'),
     "unknown_workload": (400, "a workload the server's calibration file does not have"),
+    "unknown_contract": (400, "an x_contract that is not one of the prompt contracts the server reads"),
     "question_type_unsupported": (
         400,
         "a System One `box` question: this server answers noul, choice, score",

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
+from spinf_jax.systemone import PromptContract
+
 # Below half: the model's answer is more likely something other than a listed option than any of them
 # together. The share is `x_option_mass` on every answer; `x_refusal_below` sets another bar (0: never
 # refuse), as small base models put much of their mass elsewhere.
@@ -85,6 +87,7 @@ class DecisionsRequest(Struct, kw_only=True):
     x_orderings: Literal["rotations", "all"] | None = None
     x_workload: str | None = None
     x_prior: Annotated[bool, Meta(description="divide by each question's floor (an empty input)")] = False
+    x_contract: PromptContract = None
     x_refusal_below: Annotated[
         float, Meta(ge=0, le=1, description="refuse where the options hold less of the probability than this")
     ] = REFUSAL_MASS

@@ -29,6 +29,14 @@ Prior = Annotated[
     Meta(description="divide by each question's probabilities on an empty state (its floor), renormalised"),
 ]
 
+PromptContract = Annotated[
+    str | None,
+    Meta(
+        description="the prompt contract: typed-options-v1 (labels read) or typed-names-v1 (the options' "
+        "names read); the plain forms' names also accepted; null: the server's default"
+    ),
+]
+
 
 class SystemOneQuestion(Struct, kw_only=True):
     type: Annotated[
@@ -62,6 +70,7 @@ class SystemOneRequest(Struct, kw_only=True):
     x_orderings: Orderings = None
     x_workload: Annotated[str | None, Meta(description="a workload of the server's calibration file")] = None
     x_prior: Prior = False
+    x_contract: PromptContract = None
 
 
 class SystemOneBatchRequest(Struct, kw_only=True):
@@ -73,6 +82,7 @@ class SystemOneBatchRequest(Struct, kw_only=True):
     x_orderings: Orderings = None
     x_workload: str | None = None
     x_prior: Prior = False
+    x_contract: PromptContract = None
 
 
 class SystemOneCalibrated(Struct, kw_only=True):

@@ -52,25 +52,52 @@ def _text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _option_line(label: str, shown: dict) -> str:
-    name = shown.get("name")
+def _option_parts(shown: dict, by_name: bool) -> list[str]:
+    """An option's name (a level's number, where the options are listed by name) and its description."""
+    name = shown.get("name", shown.get("level") if by_name else None)
     parts = [] if name is None else [_text(name)]
     if "description" in shown:
         parts.append(_text(shown["description"]))
-    return f"{label}. " + ": ".join(parts)
+    return parts
 
 
-def text_payload(state, question, options: list[dict], names: list[str]) -> tuple[str, int]:
-    """The user's message: the state, the question, then one line per option (`B. name: description`).
-    Returns the text, and where the state ends in it (characters)."""
+def _message(state, question, options: list[dict], lines: list[str], last: str = "") -> tuple[str, int]:
     head, state_text = "State:\n", _text(state)
-    lines = "\n".join(_option_line(n, o) for n, o in zip(names, options, strict=False))
     ordered = " (from the lowest level to the highest)" if options and "level" in options[0] else ""
-    text = f"{head}{state_text}\n\nQuestion: {_text(question)}\nOptions{ordered}:\n{lines}"
-    return text, len(head) + len(state_text)
+    text = f"{head}{state_text}\n\nQuestion: {_text(question)}\nOptions{ordered}:\n" + "\n".join(lines)
+    return text + ("\n" + last if last else ""), len(head) + len(state_text)
+
+
+def text_payload(state, question, options: list[dict], labels: list[str] | None) -> tuple[str, int]:
+    """typed-options-v1's message: the state, the question, then one line per option (`B. name: description`).
+    Returns the text, and where the state ends in it (characters)."""
+    lines = [
+        f"{label}. " + ": ".join(_option_parts(o, False)) for label, o in zip(labels, options, strict=False)
+    ]
+    return _message(state, question, options, lines)
+
+
+def names_payload(state, question, options: list[dict], labels: list[str] | None) -> tuple[str, int]:
+    """typed-names-v1's message: the options listed by name (`- name: description`; a score's levels by
+    number), and a last line asking for the name; with labels (a question whose names the tokenizer cannot
+    read as answers), typed-options-v1's lines and a last line asking for the label."""
+    if labels is not None:
+        text, state_end = text_payload(state, question, options, labels)
+        return text + "\n" + BY_LABEL, state_end
+    lines = ["- " + ": ".join(_option_parts(o, True)) for o in options]
+    return _message(state, question, options, lines, BY_NAME)
 
 
 TYPED_OPTIONS = Contract("typed-options-v1", "typed-options-plain-v1", TYPED_SYSTEM, text_payload)
+NAMES_SYSTEM = (
+    "Answer the question about the supplied state. Choose exactly one listed option. "
+    "Respond with only what the message's last line asks for, with no explanation or reasoning."
+)
+BY_NAME = "Answer with the option's name, exactly as listed."
+BY_LABEL = "Answer with the option's label."
+TYPED_NAMES = Contract("typed-names-v1", "typed-names-plain-v1", NAMES_SYSTEM, names_payload)
+CONTRACTS = (TYPED_OPTIONS, TYPED_NAMES)
+DEFAULT_CONTRACT = TYPED_OPTIONS
 MAX_OPTIONS = 255  # System One's documented maximum (OpenAI's Decisions API has the same)
 MAX_LEVELS = 10
 NOUL_QUESTION = "Which option is true of the state?"
@@ -125,6 +152,7 @@ class Settings:
     # Divide by the same question's probabilities on an empty state (its floor) and renormalise: the model's
     # prior over the labels (small models lean toward A) taken out.
     prior: bool = False
+    contract: str | None = None  # a contract's version (chat or plain form); None: the reader's default
 
 
 @dataclass
@@ -140,6 +168,7 @@ class TypedPlan:
     states: list[StateRead]
     trees: list[Tree]
     prefix_tokens: int  # BOS and whatever the tokenizer puts before every prompt
+    version: str  # the prompt contract's, as this model reads it
     floor: StateRead | None = None  # the questions on an empty state (Settings.prior): read after the states
 
     @property
@@ -207,9 +236,52 @@ def _unit(x: float) -> float:
     return min(1.0, max(0.0, x))
 
 
+class NameAnswers:
+    """How one tokenizer reads an option's name as the model's answer (typed-names-v1): the probability of
+    the answer beginning with the name's tokens. A question's names are read so only where each is at most
+    MAX_TOKENS tokens and stays apart from the prompt before it, and no name's tokens begin another's (so no
+    reading holds another's, and the mass outside the options is the answers that begin with none of them);
+    otherwise the question is listed with labels. (Reading the end of the reply after the name as well was
+    tried: small models rarely end there, which put nearly all of their mass outside the options.)"""
+
+    MAX_TOKENS = 16
+
+    def __init__(self, form: Format):
+        self.tokenizer = form.tokenizer
+        self.lead = "" if form.chat else " "  # a base model answers after "Answer:" and a space
+        self.probe = form.render("x", "q", [{"name": "a"}, {"name": "b"}], False)[0]
+        self.probe_ids = self.tokenizer.encode(self.probe)
+        self._cache: dict[tuple[str, ...], tuple[tuple[int, ...], ...] | None] = {}
+
+    def ids(self, question: TypedQuestion) -> tuple[tuple[int, ...], ...] | None:
+        """Each option's answer tokens in the listed order, or None: the question is listed with labels."""
+        names = tuple(_text(o.get("name", o.get("level"))) for o in question.shown)
+        if names not in self._cache:
+            if len(self._cache) > 4096:  # request-specific names: held only while they recur
+                self._cache.clear()
+            self._cache[names] = self._read(names)
+        return self._cache[names]
+
+    def _read(self, names: tuple[str, ...]) -> tuple[tuple[int, ...], ...] | None:
+        out = []
+        for name in names:
+            if not name or name != name.strip() or "\n" in name:
+                return None
+            ids = tuple(self.tokenizer.encode(self.lead + name))
+            if not 0 < len(ids) <= self.MAX_TOKENS:
+                return None
+            if self.tokenizer.encode(self.probe + self.lead + name) != [*self.probe_ids, *ids]:
+                return None
+            out.append(ids)
+        for a in out:
+            if any(b != a and b[: len(a)] == a for b in out) or out.count(a) > 1:
+                return None
+        return tuple(out)
+
+
 class TypedReader:
     """Typed questions over an engine's model: a request's states and questions → trees, and their results
-    → answers. One Format (the labels the tokenizer reads as single tokens) per reader."""
+    → answers, under one of CONTRACTS (the labels the tokenizer reads as single tokens, per contract)."""
 
     def __init__(
         self,
@@ -223,7 +295,9 @@ class TypedReader:
         images (Engine.image_tokens)."""
         if tokenizer is None:
             raise ScoringError("decisions_unsupported", "decisions need a model with a tokenizer")
-        self.format = Format(tokenizer, TYPED_OPTIONS, MAX_OPTIONS)
+        self.formats = {c.chat_version: Format(tokenizer, c, MAX_OPTIONS) for c in CONTRACTS}
+        self.format = self.formats[DEFAULT_CONTRACT.chat_version]
+        self.names = NameAnswers(self.formats[TYPED_NAMES.chat_version])
         self.buckets = buckets
         self.limits = limits
         self.calibration = calibration
@@ -231,12 +305,24 @@ class TypedReader:
 
     @property
     def version(self) -> str:
+        """The default contract's, as this model reads it."""
         return self.format.version
 
-    def check(self, questions: list[TypedQuestion], settings: Settings) -> None:
+    def contract(self, settings: Settings) -> Format:
+        if settings.contract is None:
+            return self.format
+        for c in CONTRACTS:
+            if settings.contract in (c.chat_version, c.plain_version):
+                return self.formats[c.chat_version]
+        known = ", ".join(v for c in CONTRACTS for v in (c.chat_version, c.plain_version))
+        raise ScoringError(
+            "unknown_contract", f"no prompt contract {settings.contract!r} (one of: {known})", "x_contract"
+        )
+
+    def check(self, questions: list[TypedQuestion], settings: Settings, by_label: list[bool]) -> None:
         most = len(self.format.labels)
-        for q in questions:
-            if len(q.names) > most:
+        for q, labelled in zip(questions, by_label, strict=True):
+            if labelled and len(q.names) > most:
                 raise ScoringError(
                     "option_count",
                     f"{len(q.names)} options; this model's tokenizer reads {most} labels as single tokens",
@@ -265,8 +351,10 @@ class TypedReader:
     ) -> TypedPlan:
         """The trees of every state's questions; params: where each state is in the request, for errors;
         images: each state's, where it has any (its text holds an IMAGE_MARK where each stands)."""
-        self.check(questions, settings)
-        prefix = self.format.tokenizer.prefix()
+        form = self.contract(settings)
+        by_name = [self.names.ids(q) if form.contract is TYPED_NAMES else None for q in questions]
+        self.check(questions, settings, [ids is None for ids in by_name])
+        prefix = form.tokenizer.prefix()
         asked_per_state = sum(len(orderings.orders(len(q.names), settings.orderings)) for q in questions)
         if asked_per_state > self.limits.max_questions_per_content:
             raise ScoringError(
@@ -276,25 +364,31 @@ class TypedReader:
                 "questions",
             )
         asked = [
-            Asked(q.param, q.question, list(q.shown), orderings.orders(len(q.names), settings.orderings))
-            for q in questions
+            Asked(
+                q.param,
+                q.question,
+                list(q.shown),
+                orderings.orders(len(q.names), settings.orderings),
+                ids is None,
+            )
+            for q, ids in zip(questions, by_name, strict=True)
         ]
         reads, trees = [], []
         for state, param, pictures in zip(states, params, images or [None] * len(states), strict=True):
             try:
                 # The decision APIs' state budget is the buckets' (System One allows 32k tokens of state).
-                trunk, branches, placed = read_state(state, asked, self.format, None, images=pictures)
+                trunk, branches, placed = read_state(state, asked, form, None, images=pictures)
             except ScoringError as e:
                 if e.param == "state" and param != "state":
                     e.param = param
                 raise
-            read, read_trees = self._trees(trunk, branches, questions, param, placed)
+            read, read_trees = self._trees(form, trunk, branches, by_name, param, placed)
             reads.append(read)
             trees += read_trees
-        plan = TypedPlan(questions, settings, reads, trees, len(prefix))
+        plan = TypedPlan(questions, settings, reads, trees, len(prefix), form.version)
         if settings.prior:
-            trunk, branches, _ = read_state("", asked, self.format, None, True)
-            floor, floor_trees = self._trees(trunk, branches, questions, "")
+            trunk, branches, _ = read_state("", asked, form, None, True)
+            floor, floor_trees = self._trees(form, trunk, branches, by_name, "")
             plan.floor, plan.trees = floor, trees + floor_trees
         if plan.input_tokens > self.limits.max_request_tokens:
             raise ScoringError(
@@ -305,16 +399,23 @@ class TypedReader:
         return plan
 
     def _trees(
-        self, trunk, branches, questions: list[TypedQuestion], param: str, placed=()
+        self, form: Format, trunk, branches, answers: list, param: str, placed=()
     ) -> tuple[StateRead, list]:
+        """answers: per question, its options' names' tokens as the caller listed them (NameAnswers.ids), or
+        None where the answer is a label."""
         keys = [
-            QuestionKey(o.branch_ids, tuple((i,) for i in self.format.label_ids[: len(q.names)]))
-            for q, b in zip(questions, branches, strict=True)
+            QuestionKey(
+                o.branch_ids,
+                tuple((i,) for i in form.label_ids[: len(o.order)])
+                if names is None
+                else tuple(names[k] for k in o.order),
+            )
+            for names, b in zip(answers, branches, strict=True)
             for o in b
         ]
         soft = tuple((row, self.image_tokens(part)) for row, part in placed)
         try:
-            chunks = content_trees(self.format.tokenizer.prefix(), list(trunk), keys, self.buckets, soft)
+            chunks = content_trees(form.tokenizer.prefix(), list(trunk), keys, self.buckets, soft)
         except ValueError as e:
             raise ScoringError("question_too_large", str(e), param) from e
         return StateRead(trunk, branches), [tree for tree, _ in chunks]

@@ -6,6 +6,7 @@ alone or in a batch."""
 import asyncio
 import base64
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -98,17 +99,22 @@ def test_every_type_is_answered_as_system_one_defines_it(apis):
     assert reply["x_prompt_version"] == "typed-options-plain-v1"  # Gemma 3 270M is a base model
 
 
-def test_an_answer_does_not_depend_on_what_else_is_asked(apis):
-    """Renamed ids, other questions, another order, alone: each question's answer keeps every bit."""
-    base = apis.systemone({"state": STATE, "questions": QUESTIONS})["answers"]
+@pytest.mark.parametrize("contract", [None, "typed-names-v1"])
+def test_an_answer_does_not_depend_on_what_else_is_asked(apis, contract):
+    """Renamed ids, other questions, another order, alone: each question's answer keeps every bit, under
+    either contract."""
+
+    def ask(questions: dict) -> dict:
+        return apis.systemone({"state": STATE, "questions": questions, "x_contract": contract})["answers"]
+
+    base = ask(QUESTIONS)
     renamed = {f"q-{i} ✓": q for i, q in enumerate(QUESTIONS.values())}
     language = {"type": "choice", "instructions": "Language?", "criteria": {"English": None, "Other": None}}
-    renamed_answers = apis.systemone({"state": STATE, "questions": renamed})["answers"].values()
     variants = [
-        dict(zip(QUESTIONS, renamed_answers, strict=True)),
-        apis.systemone({"state": STATE, "questions": dict(reversed(QUESTIONS.items()))})["answers"],
-        apis.systemone({"state": STATE, "questions": {"team": TEAM}})["answers"],
-        apis.systemone({"state": STATE, "questions": {"other": language, **QUESTIONS}})["answers"],
+        dict(zip(QUESTIONS, ask(renamed).values(), strict=True)),
+        ask(dict(reversed(QUESTIONS.items()))),
+        ask({"team": TEAM}),
+        ask({"other": language, **QUESTIONS}),
     ]
     for variant in variants:
         for qid, answer in variant.items():
@@ -146,6 +152,74 @@ def test_orderings_and_a_prompt_the_model_reads_as_written(apis, gemma_engine):
     p = np.exp(np.asarray(lp[0], np.float64))
     np.testing.assert_allclose(answer.probabilities, p / p.sum(), atol=2e-4)
     assert answer.option_mass == pytest.approx(p.sum(), abs=2e-4)
+
+
+def _names_read(engine, text: str, names: list[tuple[int, ...]]) -> np.ndarray:
+    """Each name's log-probability after the prompt, from plain forwards of the prompt and the name."""
+    tokenizer, model = engine.model.tokenizer, engine.model
+    ids = tokenizer.encode(text)
+    ids = ids if ids[:1] == tokenizer.prefix() else tokenizer.prefix() + ids
+    out = []
+    for name in names:
+        hidden = model.hidden(TreeBatch.sequence(ids + list(name)))
+        rows = hidden[len(ids) - 1 : len(ids) - 1 + len(name)]
+        lp, _ = model.logprobs(rows, np.asarray(name, np.int32)[:, None])
+        out.append(float(np.sum(np.asarray(lp, np.float64))))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("model", ["gemma", "smollm"])
+def test_the_names_contract_reads_each_option_name_as_the_model_would(model, gemma_engine, smollm_engine):
+    """typed-names-v1: the options listed by name, each answer the probability of the reply beginning with
+    that name (many tokens where it takes many), as plain forwards of the prompt give it; in the chat form
+    through the template, in the plain form after "Answer:" and a space."""
+    engine = gemma_engine if model == "gemma" else smollm_engine
+    apis = DecisionApis(engine)
+    body = {"state": STATE, "questions": {"team": TEAM}, "x_contract": "typed-names-v1"}
+    reply = apis.systemone(body)
+    assert reply["x_prompt_version"] == ("typed-names-plain-v1" if model == "gemma" else "typed-names-v1")
+    plan = apis.plan_systemone(convert(body, systemone.SystemOneRequest))
+    (answer,) = apis.reader.answers(plan.plan, engine.score_trees(plan.trees))[0]
+    form = apis.reader.formats["typed-names-v1"]
+    text, _ = form.render(STATE, TEAM["instructions"], list(answer.question.shown), False)
+    assert text.count("\n- ") == 3 and "Answer with the option's name, exactly as listed." in text
+    names = apis.reader.names.ids(answer.question)
+    assert names is not None and any(len(n) > 1 for n in names)  # the Korean name takes several tokens
+    p = np.exp(_names_read(engine, text, list(names)))
+    np.testing.assert_allclose(answer.probabilities, p / p.sum(), atol=2e-4)
+    assert answer.option_mass == pytest.approx(p.sum(), abs=2e-4)
+    assert reply["answers"]["team"]["x_prompt_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_names_the_model_cannot_read_apart_are_listed_with_labels(apis):
+    """A name with a leading space, a newline, or whose tokens begin another's: that question is listed with
+    labels and its label read, under the same contract and the same read of the state."""
+    labelled = {
+        "type": "choice",
+        "instructions": "Which team?",
+        "criteria": {" Billing": None, "Technical\nsupport": None},
+    }
+    body = {"state": STATE, "questions": {"odd": labelled, "team": TEAM}, "x_contract": "typed-names-v1"}
+    plan = apis.plan_systemone(convert(body, systemone.SystemOneRequest))
+    odd, team = plan.plan.questions_asked
+    assert apis.reader.names.ids(odd) is None and apis.reader.names.ids(team) is not None
+    form = apis.reader.formats["typed-names-v1"]
+    text, _ = form.render(STATE, "Which team?", list(odd.shown))
+    assert "A.  Billing" in text and text.endswith("Answer with the option's label.\n\nAnswer:")
+    reply = apis.systemone(body)
+    assert reply["answers"]["odd"]["x_prompt_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    alone = apis.systemone(body | {"questions": {"team": TEAM}})["answers"]["team"]
+    assert _values(reply["answers"]["team"]) == _values(alone)
+
+
+def test_an_unknown_contract_is_refused_naming_the_ones_there_are(apis):
+    with pytest.raises(ScoringError) as e:
+        apis.systemone({"state": STATE, "questions": {"team": TEAM}, "x_contract": "typed-v9"})
+    assert e.value.code == "unknown_contract" and e.value.param == "x_contract"
+    assert "typed-names-v1" in e.value.message and "typed-options-plain-v1" in e.value.message
+    decision = {"type": "predicate", "name": "r", "instructions": "Refund?"}
+    reply = apis.decisions({"input": STATE, "questions": [decision], "x_contract": "typed-names-plain-v1"})
+    assert reply["x_prompt_version"] == "typed-names-plain-v1"
 
 
 BAD = {

@@ -352,8 +352,8 @@ def rule_accuracy(rows: list[tuple[np.ndarray, np.ndarray, int]]) -> dict[str, f
 
 
 def table(name: str, summary: dict) -> str:
-    """The report of one workload, as a few lines of text."""
-    lines = [f"workload {name}: T = {summary['temperature']:.4g} over {summary['rows']} rows"]
+    """The report of one fit ("workload triage", "type choice"), as a few lines of text."""
+    lines = [f"{name}: T = {summary['temperature']:.4g} over {summary['rows']} rows"]
     lines.append(f"  {'metric':<18}{'raw':>24}{'after T (out of fold)':>28}")
     for metric in ("accuracy", "balanced_accuracy", "nll", "brier", "ece"):
         cells = []

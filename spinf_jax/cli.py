@@ -195,14 +195,15 @@ def _calibrate(args, item) -> int:
 
 
 def _calibration(args) -> int:
-    """`spinf-jax calibrate ROWS --out FILE`: one temperature per workload, with its report and plots."""
+    """`spinf-jax calibrate ROWS --out FILE`: one temperature per workload (and, from typed rows, per question
+    type or by option count), with its report and plots."""
     import datetime
     import json
 
     from tqdm import tqdm
 
     from spinf_jax import calibration
-    from spinf_jax.labelled import RowError, fit_workload, read_rows, score_rows
+    from spinf_jax.labelled import RowError, fit_by_options, fit_workload, read_rows, score_rows
     from spinf_jax.service import Service
 
     try:
@@ -211,35 +212,15 @@ def _calibration(args) -> int:
         print(f"spinf-jax calibrate: {e}", file=sys.stderr)
         return 2
     service = Service.load(args.model, args.precision)
-    engine, decider, scorer = service.engine, service.decider, service.scorer
+    engine = service.engine
     try:
         with tqdm(total=len(rows), desc="scoring", unit="row") as bar:
-            scored = list(score_rows(decider, scorer, rows, bar))
+            scored = list(score_rows(service.decider, service.scorer, rows, bar, service.apis))
     except RowError as e:
         print(f"spinf-jax calibrate: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    workloads = {}
-    for name in dict.fromkeys(row.workload for row in rows):
-        mine = [
-            (lp, floor, row) for (lp, floor), row in zip(scored, rows, strict=True) if row.workload == name
-        ]
-        try:
-            summary, raw, fitted = fit_workload(mine, args.orderings, args.target_precision, args.bootstrap)
-        except calibration.CalibrationError as e:
-            print(f"spinf-jax calibrate: workload {name!r}: {e}", file=sys.stderr)
-            return 2
-        plot = out.with_name(f"{out.stem}.{name}.png")
-        labels = [row.label for *_, row in mine]
-        calibration.reliability_plot(
-            {"raw": (raw, labels), f"T = {summary['temperature']:.3g}, out of fold": (fitted, labels)},
-            plot,
-            f"{name}: {len(labels)} rows, {engine.model.name}",
-        )
-        summary["plot"] = plot.name
-        workloads[name] = summary
-        print(calibration.table(name, summary))
     document = {
         "version": 1,
         "model": engine.model.name,
@@ -247,11 +228,58 @@ def _calibration(args) -> int:
         "system_fingerprint": engine.fingerprint,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "rows": str(args.rows),
-        "workloads": workloads,
     }
+    fits = {"workloads": {}, "typed": {}}
+    for (name, typed), mine in _by_workload(rows, scored).items():
+        try:
+            summary, raw, fitted = fit_workload(mine, args.orderings, args.target_precision, args.bootstrap)
+        except calibration.CalibrationError as e:
+            print(f"spinf-jax calibrate: {'type' if typed else 'workload'} {name!r}: {e}", file=sys.stderr)
+            return 2
+        plot = out.with_name(f"{out.stem}.{'type-' if typed else ''}{name}.png")
+        labels = [row.label for *_, row in mine]
+        calibration.reliability_plot(
+            {"raw": (raw, labels), f"T = {summary['temperature']:.3g}, out of fold": (fitted, labels)},
+            plot,
+            f"{name}: {len(labels)} rows, {engine.model.name}",
+        )
+        summary["plot"] = plot.name
+        fits["typed" if typed else "workloads"][name] = summary
+        print(calibration.table(f"{'type' if typed else 'workload'} {name}", summary))
+    if fits["workloads"]:
+        document["workloads"] = fits["workloads"]
+    if fits["typed"]:
+        document["prompt_version"] = service.apis.reader.version
+        document["temperature_by_type"] = {k: v["temperature"] for k, v in fits["typed"].items()}
+        document["typed"] = fits["typed"]
+        if args.by_options:
+            typed_rows = [entry for entry in scored_rows(rows, scored) if entry[2].kind == "typed"]
+            try:
+                entry, per_count = fit_by_options(typed_rows)
+            except calibration.CalibrationError as e:
+                print(f"spinf-jax calibrate: --by-options: {e}", file=sys.stderr)
+                return 2
+            document["temperature_by_options"] = entry
+            document["typed_by_options"] = per_count
+            a, b, least = entry["a"], entry["b"], entry["min"]
+            print(f"temperature by option count: T(n) = max({least}, {a:.3f} + {b:.3f}·ln n)")
     out.write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def scored_rows(rows, scored) -> list[tuple]:
+    """(log-probabilities, floor, row) per row."""
+    return [(lp, floor, row) for (lp, floor), row in zip(scored, rows, strict=True)]
+
+
+def _by_workload(rows, scored) -> dict[tuple[str, bool], list[tuple]]:
+    """The rows of each workload, and of each question type (typed rows), in first-seen order."""
+    out: dict[tuple[str, bool], list[tuple]] = {}
+    for entry in scored_rows(rows, scored):
+        row = entry[2]
+        out.setdefault((row.workload, row.kind == "typed"), []).append(entry)
+    return out
 
 
 def _score(args) -> int:
@@ -613,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "calibrate",
         help="fit one temperature per workload on labelled rows (docs/calibration.md)",
-        description="Scores labelled decisions or questions, fits a temperature per workload by NLL, reports "
+        description="Scores labelled decisions, questions or typed (System One) questions, fits a "
+        "temperature per workload (typed rows: per question type) by NLL, reports "
         "accuracy, balanced accuracy, NLL, Brier and ECE before and after (out of fold, with bootstrap 95% "
         "intervals), draws a reliability plot per workload, and writes the file `serve --calibration` reads.",
     )
@@ -626,6 +655,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp8", "int8"], help=PRECISION_DEFAULT)
     p.add_argument("--bootstrap", type=int, default=1000, help="draws for the 95%% intervals")
+    p.add_argument(
+        "--by-options",
+        action="store_true",
+        help="typed rows: also fit T(n) = a + b·ln n over their option counts (temperature_by_options)",
+    )
     p.add_argument(
         "--target-precision",
         type=float,

@@ -2,12 +2,13 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 
 from spinf_jax import calibration as cal
-from spinf_jax import cli
+from spinf_jax import cli, labelled
 from spinf_jax.calibration import CalibrationError
 from spinf_jax.errors import ScoringError
 from spinf_jax.scoring import Scorer
@@ -99,10 +100,21 @@ def test_calibrate_writes_a_file_the_server_accepts(tmp_path, capsys):
                             "label": " good", "workload": "questions"}) + "\n")  # fmt: skip
         f.write(json.dumps({"content": "Bad.", "template": "\n\nSentiment:{?}", "options": [" good", " bad"],
                             "label": " bad", "workload": "questions"}) + "\n")  # fmt: skip
+        for text, label in [("I loved it.", True), ("I hated it.", False), ("Great!", True)]:
+            question = {"type": "noul", "instructions": "Is the review positive?"}
+            f.write(json.dumps({"state": text, "question": question, "label": label}) + "\n")
+        for text, label in [
+            ("Refund me.", "Billing"),
+            ("It crashes.", "Technical"),
+            ("Card declined.", "Billing"),
+        ]:
+            criteria = {"Billing": None, "Technical": None} | ({"Sales": None} if label == "Billing" else {})
+            question = {"type": "choice", "instructions": "Which team?", "criteria": criteria}
+            f.write(json.dumps({"state": text, "question": question, "label": label}) + "\n")
     out = tmp_path / "out" / "calibration.json"
     status = cli.main([
         "calibrate", str(rows), "--out", str(out), "--model", "spinf/smollm2-135m-instruct", "--precision",
-        "fp32", "--orderings", "rotations", "--workload", "reviews", "--bootstrap", "50",
+        "fp32", "--orderings", "rotations", "--workload", "reviews", "--bootstrap", "50", "--by-options",
     ])  # fmt: skip
     assert status == 0, capsys.readouterr().err
     document = json.loads(out.read_text())
@@ -116,7 +128,15 @@ def test_calibrate_writes_a_file_the_server_accepts(tmp_path, capsys):
     assert (tmp_path / "out" / "calibration.reviews.png").read_bytes()[:4] == b"\x89PNG"
     loaded = cal.load_calibration(out)
     assert loaded.workloads["reviews"].temperature == reviews["temperature"]
-    assert "workload reviews: T = " in capsys.readouterr().out
+    # Typed rows: a temperature per question type, and by option count (choices of 2 and 3, nouls of 2)
+    assert set(document["temperature_by_type"]) == {"noul", "choice"}
+    assert document["typed"]["choice"]["rows"] == 3 and document["prompt_version"] == "typed-options-v1"
+    assert set(document["typed_by_options"]) == {"2", "3"}
+    a, b = document["temperature_by_options"]["a"], document["temperature_by_options"]["b"]
+    assert loaded.typed.for_question("choice", 3) == pytest.approx(max(cal.MIN_T, a + b * math.log(3)))
+    assert (tmp_path / "out" / "calibration.type-noul.png").exists()
+    printed = capsys.readouterr().out
+    assert "workload reviews: T = " in printed and "type choice: T = " in printed
 
 
 def test_calibrate_names_the_bad_row(tmp_path, capsys):
@@ -126,6 +146,39 @@ def test_calibrate_names_the_bad_row(tmp_path, capsys):
     )
     assert cli.main(["calibrate", str(rows), "--out", str(tmp_path / "c.json")]) == 2
     assert f"{rows}:1: label 'b' is not one of the option ids ['a']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("question", "label", "message"),
+    [
+        ({"type": "noul"}, True, "question.instructions: a noul needs instructions"),
+        ({"type": "noul", "instructions": "?"}, "yes", "a noul's label is true or false"),
+        ({"type": "choice", "criteria": {"a": None, "b": None}}, "c", "one of the option names"),
+        ({"type": "score", "criteria": ["low", "high"]}, "1", "a level number"),
+    ],
+)
+def test_a_bad_typed_row_is_named(tmp_path, question, label, message):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"state": "x", "question": question, "label": label}) + "\n")
+    with pytest.raises(labelled.RowError, match=f"{rows}:1: .*{re.escape(message)}"):
+        labelled.read_rows(rows, "default", None)
+
+
+def test_temperatures_by_option_count_follow_a_line_in_ln_n():
+    """Rows of 2, 4 and 8 options whose labels were drawn at T(n) = 0.5 + 0.7·ln n: the fit finds a line
+    near it."""
+    rng = np.random.default_rng(3)
+    scored = []
+    for n in (2, 4, 8):
+        for _ in range(1500):
+            lp = rng.normal(0, 2.5, n)
+            label = int(rng.choice(n, p=cal.apply_temperature(lp, 0.5 + 0.7 * math.log(n))))
+            scored.append((lp, None, labelled.Row(0, {}, "typed", label, None, "choice")))
+    entry, per_count = labelled.fit_by_options(scored)
+    assert entry["a"] == pytest.approx(0.5, abs=0.25) and entry["b"] == pytest.approx(0.7, abs=0.15)
+    assert [per_count[k]["rows"] for k in ("2", "4", "8")] == [1500, 1500, 1500]
+    with pytest.raises(cal.CalibrationError, match="at least two option counts"):
+        labelled.fit_by_options(scored[:1500])
 
 
 def test_thresholds_reach_the_target_precision_with_the_most_recall():

@@ -58,7 +58,7 @@ Messages = Annotated[
 ]
 
 
-class Query(Struct, kw_only=True):
+class Query(Struct, kw_only=True, forbid_unknown_fields=True):
     """A closed question: a template read right after the content, and the options scored at its slot."""
 
     id: Annotated[str, Meta(min_length=1, description="names the query in the results; unique per content")]
@@ -133,7 +133,7 @@ class Query(Struct, kw_only=True):
     ] = None
 
 
-class Scoring(Struct, kw_only=True):
+class Scoring(Struct, kw_only=True, forbid_unknown_fields=True):
     queries: Annotated[
         list[Query] | None,
         Meta(
@@ -147,7 +147,7 @@ class Scoring(Struct, kw_only=True):
     ] = None
 
 
-class Input(Struct, kw_only=True):
+class Input(Struct, kw_only=True, forbid_unknown_fields=True):
     """One of several contents, asked the scoring queries (or those it names) and its own."""
 
     id: Annotated[str, Meta(min_length=1, description="its results' input_id; absent: its index")] | None = (
@@ -160,7 +160,7 @@ class Input(Struct, kw_only=True):
     queries: Annotated[list[Query] | None, Meta(description="questions for this content only")] = None
 
 
-class PackRef(Struct, kw_only=True):
+class PackRef(Struct, kw_only=True, forbid_unknown_fields=True):
     id: Annotated[
         str, Meta(description="a loaded pack's id (GET /v1/packs lists them), such as spinf/moderation")
     ]
@@ -174,7 +174,7 @@ class PackRef(Struct, kw_only=True):
     cells: Annotated[bool | None, Meta(description="also list each question's value and score")] = None
 
 
-class ScoreRequest(Struct, kw_only=True):
+class ScoreRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     """Closed questions about one content (`messages`) or several (`inputs`)."""
 
     model: Annotated[str | None, Meta(description="a served model's name; absent: the served model")] = None
@@ -195,8 +195,9 @@ class ScoreRequest(Struct, kw_only=True):
     ] = None
 
 
-class ChatCompletionRequest(ScoreRequest, kw_only=True):
-    """The scoring request as the OpenAI SDKs send it: scoring, inputs and packs travel in extra_body."""
+class ChatCompletionRequest(ScoreRequest, kw_only=True, forbid_unknown_fields=False):
+    """The scoring request as the OpenAI SDKs send it: scoring, inputs and packs travel in extra_body. Its
+    top level takes the chat fields the SDKs send (temperature, max_tokens, ...) and ignores them."""
 
     stream: Annotated[
         bool | None, Meta(description="scores are not streamed: true answers streaming_unsupported")
@@ -389,12 +390,12 @@ Workload = Annotated[
 ]
 
 
-class DecisionOption(Struct, kw_only=True):
+class DecisionOption(Struct, kw_only=True, forbid_unknown_fields=True):
     id: Annotated[str, Meta(min_length=1, description="names the option in the reply")]
     description: Annotated[str, Meta(description="what the model reads beside the option's letter")]
 
 
-class DecisionQuestion(Struct, kw_only=True):
+class DecisionQuestion(Struct, kw_only=True, forbid_unknown_fields=True):
     """One typed question: pick exactly one option (2 to 16, lettered A to P in the prompt)."""
 
     id: Annotated[str, Meta(min_length=1, description="names the decision in the reply")]
@@ -411,7 +412,7 @@ class DecideRequest(DecisionQuestion, kw_only=True):
     state: State
 
 
-class SharedDecideRequest(Struct, kw_only=True):
+class SharedDecideRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     """Many decisions over one state, which is read once (POST /decide/shared)."""
 
     model: Annotated[str | None, Meta(description="a served model's name; absent: the served model")] = None

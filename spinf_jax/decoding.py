@@ -11,6 +11,7 @@ What JSON cannot carry is invalid_json, refused before conversion: text that is 
 integer of over 4,300 digits), and arrays and objects nested deeper than MAX_DEPTH.
 """
 
+import difflib
 import math
 import re
 import types
@@ -24,6 +25,7 @@ from spinf_jax.errors import ScoringError
 
 _FAILURE = re.compile(r"(?P<what>.*?)(?: - at (?:`key` in )?`\$(?P<path>.*)`)?", re.S)
 _MISSING = re.compile(r"Object missing required field `(\w+)`")
+_UNKNOWN = re.compile(r"Object contains unknown field `(.*)`", re.S)
 _STEP = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
 
 Step = str | int  # a key or an index into the body
@@ -83,8 +85,29 @@ def _convert[T](raw: Any, kind: type[T]) -> T:
         where = _param(steps)
         if missing := _MISSING.fullmatch(failure["what"]):
             steps.append(missing[1])
+        if unknown := _UNKNOWN.fullmatch(failure["what"]):
+            raise _unknown_field(unknown[1], steps, raw, kind) from None
         message = f"{failure['what']} - at {where}" if where else failure["what"]
         raise ScoringError("invalid_request", message, _param(steps)) from None
+
+
+def _unknown_field(name: str, steps: list[Step], raw: Any, kind: Any) -> ScoringError:
+    """A field our API does not have (a misspelling, most often): named, with the field meant where one is
+    close, so the error does not blame a field the caller believes they sent."""
+    for step in steps:
+        kind = _decoded_as(kind, raw)
+        if isinstance(step, int):
+            kind = typing.get_args(kind)[0]
+        else:
+            kind = {field.encode_name: field.type for field in msgspec.structs.fields(kind)}[step]
+        raw = raw[step]
+    fields = [field.encode_name for field in msgspec.structs.fields(_decoded_as(kind, raw))]
+    shown = name if len(name) <= 40 else name[:40] + "…"
+    where = _param(steps)
+    message = f"{where or 'the body'} has no field {shown!r}"
+    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+    message += f"; did you mean {close[0]!r}?" if close else f" (its fields: {', '.join(fields)})"
+    return ScoringError("invalid_request", message, _param([*steps, shown]))
 
 
 def _param(steps: list[Step] | tuple[Step, ...]) -> str | None:

@@ -121,3 +121,47 @@ def test_the_library_refuses_the_same_in_python_objects(body, param, message):
         convert(body, api.ScoreRequest)
     assert (e.value.code, e.value.param) == ("invalid_request", param)
     assert message in e.value.message
+
+
+MISSPELLED = {
+    "scoring.query": (
+        {"scoring": {"query": [{"id": "q", "template": "A:{?}", "options": [" a"]}]}},
+        "scoring has no field 'query'; did you mean 'queries'?",
+    ),
+    "scoring.queries[0].option": (
+        {"scoring": {"queries": [{"id": "q", "template": "A:{?}", "option": [" a"]}]}},
+        "scoring.queries[0] has no field 'option'; did you mean 'options'?",
+    ),
+    "scorng": ({"scorng": {}}, "the body has no field 'scorng'; did you mean 'scoring'?"),
+    "packs[0].categorys": (
+        {"packs": [{"id": "spinf/reviews", "categorys": ["x"]}]},
+        "packs[0] has no field 'categorys'; did you mean 'categories'?",
+    ),
+    "inputs[0].zzz": (
+        {"inputs": [{"messages": [{"content": "x"}], "zzz": 1}]},
+        "inputs[0] has no field 'zzz' (its fields: id, messages, query_ids, queries)",
+    ),
+}
+
+
+@pytest.mark.parametrize("param", list(MISSPELLED))
+def test_a_field_we_do_not_have_is_named_with_the_one_meant(client, param):
+    """Our own bodies refuse fields they do not have, naming the field and the closest one there is: a
+    misspelled `query` is not read as a missing `queries`."""
+    extra, message = MISSPELLED[param]
+    body = {"messages": [{"content": "Hello."}]} | extra
+    response = client.post("/v1/score", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["message"]) == ("invalid_request", param, message)
+
+
+def test_the_chat_route_takes_what_the_openai_sdk_sends_beside_ours(client):
+    """/v1/chat/completions ignores the chat fields the SDKs add (temperature, n, ...) at the top level, and
+    refuses a misspelling inside ours."""
+    body = {"messages": [{"content": "Hi."}], "temperature": 0.2, "n": 1, "scoring": {"quries": []}}
+    error = client.post("/v1/chat/completions", json=body).json()["error"]
+    assert error["param"] == "scoring.quries" and "did you mean 'queries'?" in error["message"]
+    decide = {"id": "d", "state": "x", "question": "q", "options": [{"id": "a", "descripton": "A"}]}
+    error = client.post("/decide", json=decide).json()["error"]
+    assert error["param"] == "options[0].descripton" and "did you mean 'description'?" in error["message"]

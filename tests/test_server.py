@@ -332,7 +332,8 @@ def test_decision_errors_in_the_envelope(url):
     ]
     for body, code, param in cases:
         _error(httpx.post(f"{url}/decide", json=body, timeout=60), 400, code, param)
-    shared = {"state": "x", "decisions": [{**DECISION, "id": "a"}, {**DECISION, "id": "b", "orderings": "all",
+    asked = {k: v for k, v in DECISION.items() if k != "state"}
+    shared = {"state": "x", "decisions": [{**asked, "id": "a"}, {**asked, "id": "b", "orderings": "all",
               "options": [{"id": str(j), "description": str(j)} for j in range(5)]}]}  # fmt: skip
     _error(httpx.post(f"{url}/decide/shared", json=shared, timeout=60), 400, "too_many_orderings",
            "decisions[1].orderings")  # fmt: skip

@@ -13,6 +13,7 @@ Library use (what the server does too, and what a notebook can call directly):
 import hashlib
 import logging
 import math
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -256,13 +257,25 @@ class Launched:
         jax.block_until_ready([outputs for _, outputs, _ in running[: max(0, len(running) - leaving)]])
 
 
+def _floor_entry_bytes(key: QuestionKey, floor) -> int:
+    """What a floor cache entry holds, near enough: a token id in a tuple takes a pointer and, past 256, an
+    int object (8 + 28 bytes); a fixed part per tuple and for the entry. A floor is options' log-probs (an
+    array) or an extraction slot's answers (a list of them)."""
+    tokens = len(key.template_ids) + sum(len(o) for o in key.option_ids)
+    held = floor.nbytes if isinstance(floor, np.ndarray) else sys.getsizeof(floor) + 128 * len(floor)
+    return 36 * tokens + 56 * (1 + len(key.option_ids)) + held + 256
+
+
 class Engine:
     def __init__(
         self,
         model: Model,
         buckets: Buckets | None = None,
-        floor_cache: int = 65536,
+        floor_cache_bytes: int = 256 << 20,
     ):
+        """floor_cache_bytes: what the floors of recent questions may hold (their keys' tokens and their
+        options' log-probs), least recently used dropped first; the largest question a request may ask
+        holds about a quarter of a megabyte."""
         self.model = model
         self.buckets = buckets = buckets or Buckets()
         if model.decoder.recurrent and not buckets.recurrent:  # its passes carry recurrent chunks
@@ -288,7 +301,8 @@ class Engine:
             ).hexdigest()[:16]
         )
         self._floor_cache: OrderedDict[QuestionKey, np.ndarray] = OrderedDict()
-        self._floor_cache_size = floor_cache
+        self._floor_cache_bytes = floor_cache_bytes
+        self.floor_cache_held = 0  # bytes, as _floor_entry_bytes counts them
         self._floor_lock = threading.Lock()  # read on request threads, written by the engine thread
         # (a file's digest, how it is read: an ImageFormat or "audio") → its soft tokens (LRU)
         self._media: OrderedDict[tuple, jax.Array] = OrderedDict()
@@ -813,9 +827,16 @@ class Engine:
         with self._floor_lock:
             return {k: self._floor_cache[k] for k in keys if k in self._floor_cache}
 
-    def remember_floor(self, key: QuestionKey, logprobs: np.ndarray) -> None:
+    def remember_floor(self, key: QuestionKey, logprobs) -> None:
+        size = _floor_entry_bytes(key, logprobs)
+        if size > self._floor_cache_bytes:
+            return
         with self._floor_lock:
+            if key in self._floor_cache:
+                self.floor_cache_held -= _floor_entry_bytes(key, self._floor_cache[key])
             self._floor_cache[key] = logprobs
             self._floor_cache.move_to_end(key)
-            while len(self._floor_cache) > self._floor_cache_size:
-                self._floor_cache.popitem(last=False)
+            self.floor_cache_held += size
+            while self.floor_cache_held > self._floor_cache_bytes:
+                old_key, old = self._floor_cache.popitem(last=False)
+                self.floor_cache_held -= _floor_entry_bytes(old_key, old)

@@ -202,3 +202,25 @@ def test_a_refusal_quotes_an_excerpt_of_the_input_not_all_of_it(gemma_engine):
     assert e.value.code == "option_too_long" and len(e.value.message) < 300
     assert "(1,000,000 characters)" in e.value.message
     assert len(ScoringError("invalid_request", "x" * 5_000).message) < 1_100  # and any message is cut
+
+
+def test_the_floor_cache_is_bounded_in_bytes(gemma_engine):
+    """The floors of recent questions are held to a byte budget, least recently used dropped first; a
+    question whose floor alone is over the budget is not kept."""
+    import numpy as np
+
+    from spinf_jax.layout import QuestionKey
+
+    engine = Engine(gemma_engine.model, gemma_engine.buckets, floor_cache_bytes=40_000)
+
+    def key(i: int, tokens: int = 200) -> QuestionKey:
+        return QuestionKey(tuple(range(1000 + i, 1000 + i + tokens)), ((300,), (301,)))
+
+    for i in range(20):
+        engine.remember_floor(key(i), np.zeros(2))
+        assert engine.floor_cache_held <= 40_000
+    kept = engine.cached_floors([key(i) for i in range(20)])
+    assert 0 < len(kept) < 20 and key(19) in kept and key(0) not in kept
+    engine.remember_floor(key(99, tokens=2_000), np.zeros(2))  # ~72 KB: over the whole budget
+    assert key(99, tokens=2_000) not in engine.cached_floors([key(99, tokens=2_000)])
+    assert key(19) in engine.cached_floors([key(19)])

@@ -184,8 +184,58 @@ def test_packs_from_a_git_repository_pinned_to_a_ref(tmp_path):
     ).stdout.strip()
     assert old.commit == tag and old.source == f"file://{repo}" and new.commit != tag
     assert old.path.is_relative_to(cache) and old.path.exists()
-    with pytest.raises(PackError, match="git checkout failed"):
+    with pytest.raises(
+        PackError, match=r"no branch, tag or commit 'no-such-ref' there \(it has: main, v0.1\)"
+    ):
         load_packs([f"git+file://{repo}@no-such-ref"], official=False, cache=cache)
+    _git("checkout", "-qb", "other", cwd=repo)
+    _git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "empty", "--allow-empty", cwd=repo)
+    _git("checkout", "-q", "main", cwd=repo)
+    branch = load_packs([f"git+file://{repo}@other"], official=False, cache=cache)["test/demo"]
+    assert branch.pack.version == "0.2"  # a branch of the remote, not only the default one
+
+
+def test_a_repository_or_folder_without_packs_is_refused(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git("init", "-q", "-b", "main", cwd=repo)
+    (repo / "README.md").write_text("no packs here\n")
+    _git("add", ".", cwd=repo)
+    _git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "docs", cwd=repo)
+    with pytest.raises(PackError, match=r"no pack files \(.yaml, .yml, .json\) in it at [0-9a-f]{12}"):
+        load_packs([f"git+file://{repo}"], official=False, cache=tmp_path / "cache")
+    with pytest.raises(PackError, match="no pack files"):
+        load_packs([str(repo)], official=False)
+
+
+def test_a_remote_that_never_answers_fails_within_the_deadline_and_leaves_no_process(tmp_path):
+    """An HTTP remote that accepts the connection and says nothing: the load stops at its deadline with a
+    clear message, asks nobody for a password, and leaves no git process behind."""
+    import socket
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    try:
+        started = time.monotonic()
+        with pytest.raises(PackError, match=r"git clone did not finish within 3 s \(is the remote up\?\)"):
+            load_packs(
+                [f"http://127.0.0.1:{port}/packs.git"], official=False, cache=tmp_path / "c", git_deadline=3
+            )
+        assert time.monotonic() - started < 10
+        time.sleep(0.2)
+        left = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if f"127.0.0.1:{port}".encode() in cmdline.read_bytes():
+                    left.append(cmdline.parent.name)
+            except OSError:  # a process that ended while we looked
+                continue
+        assert left == [], left
+    finally:
+        silent.close()
 
 
 def test_split_ref():

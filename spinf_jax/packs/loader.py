@@ -7,6 +7,7 @@ with a PackError naming the file and the field (the server then refuses to start
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -21,6 +22,16 @@ OFFICIAL = next(
     (p for p in (_HERE.parent / "official_packs", _HERE.parents[1] / "packs") if p.is_dir()), None
 )
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spinf-jax" / "packs"
+GIT_DEADLINE = 60.0  # seconds for each git command of a checkout, the clone included
+# git never asks: no terminal prompt for a username, no ssh passphrase or host-key question; a transfer
+# slower than 1 KB/s for 15 s (a remote that accepts and never answers) fails instead of waiting.
+_GIT_ENV = {
+    "GIT_TERMINAL_PROMPT": "0",
+    "GIT_ASKPASS": "",
+    "SSH_ASKPASS": "",
+    "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=15",
+}
+_GIT_CONFIG = ("-c", "http.lowSpeedLimit=1000", "-c", "http.lowSpeedTime=15", "-c", "credential.helper=")
 
 
 @dataclass(frozen=True)
@@ -32,9 +43,13 @@ class LoadedPack:
 
 
 def load_packs(
-    sources: list[str] = (), official: bool = True, cache: Path = DEFAULT_CACHE
+    sources: list[str] = (),
+    official: bool = True,
+    cache: Path = DEFAULT_CACHE,
+    git_deadline: float = GIT_DEADLINE,
 ) -> dict[str, LoadedPack]:
-    """Every pack of the official folder (unless official=False) and of each source, by id."""
+    """Every pack of the official folder (unless official=False) and of each source, by id. A source that
+    holds no pack is refused: a wrong folder or repository would otherwise load silently."""
     folders: list[tuple[Path, str, str | None]] = []
     if official and OFFICIAL is not None:
         folders.append((OFFICIAL, "official", None))
@@ -43,7 +58,7 @@ def load_packs(
             folders.append((Path(source).resolve(), str(Path(source).resolve()), None))
         elif _is_git(source):
             url, ref = split_ref(source)
-            folder, commit = checkout(url, ref, cache)
+            folder, commit = checkout(url, ref, cache, git_deadline)
             folders.append((folder, url, commit))
         else:
             raise PackError(
@@ -52,6 +67,9 @@ def load_packs(
     loaded: dict[str, LoadedPack] = {}
     for folder, source, commit in folders:
         files = sorted(p for p in folder.rglob("*") if p.suffix in SUFFIXES and p.is_file() and _is_pack(p))
+        if not files and source != "official":
+            at = f" at {commit[:12]}" if commit else ""
+            raise PackError(source, "", f"no pack files ({', '.join(SUFFIXES)}) in it{at}")
         for path in files:
             pack = read_pack(path)
             if pack.id in loaded:
@@ -80,15 +98,15 @@ def split_ref(source: str) -> tuple[str, str | None]:
     return url, None
 
 
-def checkout(url: str, ref: str | None, cache: Path) -> tuple[Path, str]:
-    """Clone url, check out ref (the default branch when None) and keep the tree under the cache as
-    <url digest>/<commit>: a later load of the same commit reuses it."""
+def checkout(url: str, ref: str | None, cache: Path, deadline: float = GIT_DEADLINE) -> tuple[Path, str]:
+    """Clone url, check out ref (the default branch when None; a branch, tag or commit) and keep the tree
+    under the cache as <url digest>/<commit>: a later load of the same commit reuses it."""
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         clone = Path(tmp) / "clone"
-        _git("clone", "--quiet", "--no-checkout", url, str(clone), source=url)
-        _git("-C", str(clone), "checkout", "--quiet", "--detach", ref or "HEAD", source=url)
-        commit = _git("-C", str(clone), "rev-parse", "HEAD", source=url).strip()
+        _git("clone", "--quiet", "--no-checkout", url, str(clone), source=url, deadline=deadline)
+        commit = _resolve(clone, ref, url, deadline)
+        _git("-C", str(clone), "checkout", "--quiet", "--detach", commit, source=url, deadline=deadline)
         target = cache / hashlib.sha256(url.encode()).hexdigest()[:16] / commit
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -97,18 +115,56 @@ def checkout(url: str, ref: str | None, cache: Path) -> tuple[Path, str]:
     return target, commit
 
 
-def _git(*args: str, source: str) -> str:
+def _resolve(clone: Path, ref: str | None, url: str, deadline: float) -> str:
+    """The commit ref names in the clone: itself, or a branch of the remote; else a PackError listing the
+    branches and tags there are."""
+    for name in [ref or "HEAD", f"origin/{ref}"] if ref else ["HEAD"]:
+        try:
+            return _git(
+                "-C", str(clone), "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}",
+                source=url, deadline=deadline,
+            ).strip()  # fmt: skip
+        except PackError:
+            continue
+    names = _git(
+        "-C", str(clone), "for-each-ref", "--format=%(refname:short)", "refs/remotes", "refs/tags",
+        source=url, deadline=deadline,
+    ).split()  # fmt: skip
+    known = sorted({n.removeprefix("origin/") for n in names if n not in ("origin", "origin/HEAD")})
+    shown = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "")
+    raise PackError(url, "", f"no branch, tag or commit {ref!r} there (it has: {shown or 'none'})")
+
+
+def _git(*args: str, source: str, deadline: float = GIT_DEADLINE) -> str:
+    """One git command, never waiting on a person, and stopped with everything it started (git's remote
+    helpers too) past the deadline."""
     try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=120, check=True)
+        process = subprocess.Popen(
+            ["git", *_GIT_CONFIG, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ | _GIT_ENV,
+            start_new_session=True,  # its own process group, so that a stop reaches the helpers
+        )
     except FileNotFoundError:
         raise PackError(source, "", "git is not installed") from None
-    except subprocess.CalledProcessError as e:
-        raise PackError(
-            source, "", f"git {args[0] if args[0] != '-C' else args[2]} failed: {e.stderr.strip()}"
-        ) from None
+    try:
+        out, err = process.communicate(timeout=deadline)
     except subprocess.TimeoutExpired:
-        raise PackError(source, "", "git took over 120 s") from None
-    return done.stdout
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        step = args[0] if args[0] != "-C" else args[2]
+        raise PackError(
+            source, "", f"git {step} did not finish within {deadline:g} s (is the remote up?)"
+        ) from None
+    if process.returncode != 0:
+        step = args[0] if args[0] != "-C" else args[2]
+        raise PackError(
+            source, "", f"git {step} failed: {err.strip() or f'exit status {process.returncode}'}"
+        )
+    return out
 
 
 def describe(loaded: LoadedPack) -> api.PackInfo:

@@ -225,17 +225,20 @@ def test_server_codes_are_reachable(client, monkeypatch, tmp_path):
         Scorer(server.engine).plan(_body({"id": "n", "template": "A:{n}"}))
     reached.add(e.value.code)
 
+    # System One's `box` question, and a prompt contract there is not (tests/test_decision_apis.py serves
+    # their other refusals).
+    for extra in [{"questions": {"where": {"type": "box"}}}, {"x_contract": "typed-v0"}]:
+        with pytest.raises(ScoringError) as e:
+            noul = {"n": {"type": "noul", "instructions": "?"}}
+            server.service.apis.systemone({"state": "x", "questions": noul} | extra)
+        reached.add(e.value.code)
+
     # A chat template that rewrites the user's message: the state cannot be found in the prompt.
     monkeypatch.setattr(
         server.engine.model.tokenizer, "chat_template", "{{ messages[1]['content'] | upper }}"
     )
     with pytest.raises(ScoringError) as e:
         Format(server.engine.model.tokenizer)
-    reached.add(e.value.code)
-
-    # System One's `box` question (tests/test_decision_apis.py serves its other refusals).
-    with pytest.raises(ScoringError) as e:
-        server.service.apis.systemone({"state": "x", "questions": {"where": {"type": "box"}}})
     reached.add(e.value.code)
 
     # Images, on a model that reads them (tests/test_media.py serves these too).

@@ -47,6 +47,11 @@ def _serve(args) -> int:
         print(f"spinf-jax serve: the settings are valid: {launch.summary()}")
         return 0
 
+    from spinf_jax.server.protocol import port_problem
+
+    if problem := port_problem(launch.host, launch.port):
+        print(f"spinf-jax serve: {problem}", file=sys.stderr)
+        return 2
     if launch.devices is not None:
         return _serve_replicas(args, launch)
 
@@ -58,16 +63,22 @@ def _serve(args) -> int:
     pin_this_process(os.environ)
     outlive_no_front(os.environ)
 
-    import uvicorn
-
     from spinf_jax.engine import use_compilation_cache
     from spinf_jax.server.app import create_app
-    from spinf_jax.server.protocol import uvicorn_config
+    from spinf_jax.server.protocol import Server, uvicorn_config
 
     if launch.compile_cache is not None:
         use_compilation_cache(launch.compile_cache)
-    app = create_app(launch.settings)
-    uvicorn.Server(uvicorn_config(app, launch.host, launch.port, launch.log_level)).run()
+    app = create_app(launch.settings, url=launch.url)
+    Server(uvicorn_config(app, launch.host, launch.port, launch.log_level)).run()
+    engine = app.state.server.engine
+    if engine is not None and engine.compiling:
+        # A bucket still compiling on its thread (the start's background half): Python's exit would tear the
+        # interpreter down under XLA's compiler, which crashes the process (SIGSEGV) after a clean shutdown.
+        # The server has answered everything and closed; nothing is left to keep.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
@@ -85,11 +96,9 @@ def _devices(asked: str, command: str):
 
 def _serve_replicas(args, launch) -> int:
     """`serve --devices`: a replica process per device behind the front (spinf_jax.server.front)."""
-    import uvicorn
-
     from spinf_jax import replicas
     from spinf_jax.server.front import create_front
-    from spinf_jax.server.protocol import uvicorn_config
+    from spinf_jax.server.protocol import Server, uvicorn_config
 
     if (found := _devices(launch.devices, "serve")) is None:
         return 2
@@ -104,7 +113,7 @@ def _serve_replicas(args, launch) -> int:
         stagger=launch.compile_cache is not None,
     )
     app = create_front(launch.settings, pool, devices.platform)
-    uvicorn.Server(uvicorn_config(app, launch.host, launch.port, launch.log_level)).run()
+    Server(uvicorn_config(app, launch.host, launch.port, launch.log_level)).run()
     return 0
 
 
@@ -321,6 +330,10 @@ def _score(args) -> int:
     if not source.is_file():
         print(f"spinf-jax score: {source}: no such file", file=sys.stderr)
         return 2
+    if problem := _asked_problem(template, kind):  # before a model loads or a server is asked
+        flag = "--systemone" if kind is bulk.SYSTEMONE else "--queries" if args.queries else "--pack"
+        print(f"spinf-jax score: {flag}: {problem}", file=sys.stderr)
+        return 2
     if args.buckets is not None:
         from spinf_jax.server.settings import SettingsError, read_buckets
 
@@ -340,6 +353,9 @@ def _score(args) -> int:
     if args.url:
         from spinf_jax.client import Client
 
+        if problem := _unreachable(args.url):
+            print(f"spinf-jax score: --url {args.url}: {problem}", file=sys.stderr)
+            return 2
         if args.model:
             template["model"] = args.model
         client = Client(args.url, args.api_key)
@@ -356,10 +372,51 @@ def _score(args) -> int:
         # Two batches in flight: one planned while the other's passes run (bulk.pipelined).
         asker = SystemOneBatches(service.apis) if kind is bulk.SYSTEMONE else service.scorer
         backend, in_flight = bulk.pipelined(asker), args.in_flight or 2
-    with backend as score, tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
-        summary = bulk.run(source, out, template, score, args.batch, bar, in_flight, kind)
+    try:
+        with backend as score, tqdm(total=bulk.count_lines(source), desc="scoring", unit="item") as bar:
+            summary = bulk.run(source, out, template, score, args.batch, bar, in_flight, kind)
+    except Exception as e:  # noqa: BLE001 - a refusal of the whole request, or the server gone mid-run
+        print(f"spinf-jax score: {_one_line(e)}; what was scored is in {out}, and a rerun goes on from there",
+              file=sys.stderr)  # fmt: skip
+        return 1
     bulk.report(summary)
-    return 0
+    return 1 if summary.bad else 0
+
+
+def _asked_problem(template: dict, kind) -> str | None:
+    """What is wrong with the questions of a `score` run, found before any model loads: the request each
+    batch will send, over a stand-in content, checked as the server checks it (field names, types, counts)."""
+    from spinf_jax import api, bulk, systemone
+    from spinf_jax.decision_apis import systemone_questions
+    from spinf_jax.decoding import convert
+    from spinf_jax.errors import ScoringError
+
+    try:
+        if kind is bulk.SYSTEMONE:
+            systemone_questions(convert({"state": "x"} | template, systemone.SystemOneRequest).questions)
+        else:
+            convert({"messages": [{"content": "x"}]} | template, api.ScoreRequest)
+    except ScoringError as e:  # a message that names the place already is not prefixed with it again
+        parent = (e.param or "").rsplit(".", 1)[0]
+        named = not e.param or e.param in e.message or e.message.startswith((parent, "the body"))
+        return e.message if named else f"{e.param}: {e.message}"
+    return None
+
+
+def _unreachable(url: str) -> str | None:
+    """Why a server cannot be asked (one line), or None."""
+    import httpx
+
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=10)
+    except httpx.HTTPError as e:
+        return f"cannot reach the server ({_one_line(e)}); is `spinf-jax serve` running there?"
+    return None
+
+
+def _one_line(e: Exception) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 300 else text[:300] + "…"
 
 
 def _score_on_ray(args, source: Path, out: Path, template: dict, kind) -> int:
@@ -723,6 +780,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `serve --devices` passes it on
     try:
         return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: the command stops where it is, with a line rather than a traceback
+        print(f"\nspinf-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader left (`spinf-jax packs schema | head`): nothing more to say
         # Python flushes stdout once more on its way out, which would raise again: point it at /dev/null.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

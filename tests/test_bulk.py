@@ -96,7 +96,7 @@ def test_the_command_through_a_server_with_a_pack(default_url, tmp_path):
     args = [sys.executable, "-m", "spinf_jax.cli", "score", str(source), "--out", str(out), "--queries",
             str(queries), "--pack", "spinf/reviews", "--url", url, "--batch", "3"]  # fmt: skip
     run = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.returncode == 1, run.stderr[-2000:]  # a line was skipped
     err = run.stderr
     assert "spinf-jax score: line 4: content_too_long" in err and "scored 4 in" in err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -117,11 +117,65 @@ def test_the_command_in_process(gemma_engine, tmp_path, monkeypatch, capsys):
     _write_inputs(source)
     queries.write_text(json.dumps([QUERY]))
     argv = ["score", str(source), "--out", str(out), "--queries", str(queries), "--batch", "1"]
-    assert cli.main(argv) == 0
+    assert cli.main(argv) == 1  # lines were skipped: not a clean run
     err = capsys.readouterr().err
     assert err.index("line 2: not JSON") < err.index("line 6: an object") and "scored 5 in" in err
     ids = [json.loads(line)["input_id"] for line in out.read_text().splitlines()]
     assert ids == ["a", "b", "too-long", "c", "d"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "asked", "said"),
+    [
+        ("--queries", {"query": [QUERY]}, "--queries: scoring has no field 'query'; did you mean 'queries'?"),
+        (
+            "--queries",
+            [{"id": "q", "template": 5}],
+            "--queries: Expected `str`, got `int` - at scoring.queries",
+        ),
+        (
+            "--systemone",
+            {"t": {"type": "choice", "criteria": {"a": None}}},
+            "--systemone: questions.t.criteria: 1 options",
+        ),
+    ],
+)
+def test_bad_questions_are_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch, flag, asked, said):
+    from spinf_jax.service import Service
+
+    monkeypatch.setattr(Service, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    source, questions = tmp_path / "in.jsonl", tmp_path / "q.json"
+    source.write_text('{"text": "hi"}\n')
+    questions.write_text(json.dumps(asked))
+    assert cli.main(["score", str(source), "--out", str(tmp_path / "o.jsonl"), flag, str(questions)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spinf-jax score: " + said) and err.count("\n") == 1, err
+
+
+def test_a_server_that_is_not_there_is_one_line(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    source, questions = tmp_path / "in.jsonl", tmp_path / "q.json"
+    source.write_text('{"text": "hi"}\n')
+    questions.write_text(json.dumps([QUERY]))
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        "score",
+        str(source),
+        "--out",
+        str(tmp_path / "o.jsonl"),
+        "--queries",
+        str(questions),
+        "--url",
+        url,
+    ]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"spinf-jax score: --url {url}: cannot reach the server (") and err.count("\n") == 1
+    assert "is `spinf-jax serve` running there?" in err
 
 
 def test_the_command_needs_questions(tmp_path, capsys):
@@ -175,7 +229,7 @@ def test_states_through_a_server_with_a_system_one_question_set(default_url, tmp
     source.write_text("\n".join(map(json.dumps, lines)) + "\n")
     questions.write_text(json.dumps({"questions": SYSTEMONE, "x_orderings": "rotations"}))
     argv = ["score", str(source), "--out", str(out), "--systemone", str(questions), "--url", default_url]
-    assert cli.main(argv) == 0
+    assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert "line 2: an object with a state" in err and "scored 2 in" in err
     rows = [json.loads(line) for line in out.read_text().splitlines()]

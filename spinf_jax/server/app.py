@@ -15,6 +15,7 @@ import jax
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
+from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.spec import Components, SecurityScheme
 from litestar.params import JSONBody
@@ -72,6 +73,7 @@ class Server:
     ready_at: int | None = None
     memory_needed: int | None = None  # bytes: the largest pass's peak (Engine.device_bytes_needed)
     profiling: threading.Lock = field(default_factory=threading.Lock)  # held while a profile is taken
+    url: str | None = None  # where it is served, for the `ready` line
 
     def __post_init__(self):
         self.metrics.read_queue_depth(lambda: self.runner.depth if self.runner else 0)
@@ -104,7 +106,8 @@ class Server:
                 engine, s.max_queue, s.max_delay_ms / 1000, self.metrics.on_batch, hold_back=s.hold_back
             )
             # Logged before /health says so, so that whoever waits for one finds the other.
-            log(PROGRESS, "ready", model=engine.model.name, load_s=round(engine.model.load_seconds, 2),
+            log(PROGRESS, "ready", model=engine.model.name, url=self.url,
+                load_s=round(engine.model.load_seconds, 2),
                 compile_s=round(time.perf_counter() - start, 2))  # fmt: skip
             self.service = service
             self.ready_at = int(time.time())
@@ -474,9 +477,10 @@ def _observe_requests(app: ASGIApp, metrics: Metrics) -> ASGIApp:
     return middleware
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
-    """The app; it loads (or takes) the engine in the background and answers 503 until it is compiled."""
-    server = Server(settings)
+def create_app(settings: Settings, engine: Engine | None = None, url: str | None = None) -> Litestar:
+    """The app; it loads (or takes) the engine in the background and answers 503 until it is compiled. url:
+    where it is served, for the `ready` line."""
+    server = Server(settings, url=url)
     app = Litestar(
         route_handlers=[
             score,
@@ -500,6 +504,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
             path="/schema",
             components=Components(security_schemes=SECURITY_SCHEMES),
         ),
+        # Litestar's own logging config would make the root logger print every library's INFO lines (JAX's
+        # "Unable to initialize backend 'tpu'" at start): its exceptions go to the litestar logger alone.
+        logging_config=LoggingConfig(configure_root_logger=False),
         on_startup=[lambda: server.start(engine)],
         on_shutdown=[lambda: server.runner and server.runner.close()],
     )

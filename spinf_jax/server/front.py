@@ -17,6 +17,7 @@ import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, route
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
+from litestar.logging.config import LoggingConfig
 
 from spinf_jax import api
 from spinf_jax.replicas import Replica, Replicas
@@ -177,6 +178,7 @@ def create_front(settings: Settings, replicas: Replicas, platform: str) -> Lites
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=MAX_BODY,
         openapi_config=None,  # /schema is a replica's: the same API
+        logging_config=LoggingConfig(configure_root_logger=False),  # as a replica's (server/app.py)
         on_startup=[start],
         on_shutdown=[stop],
     )

@@ -3,7 +3,11 @@ keep slow or idle clients from holding connections, and the logs."""
 
 import contextlib
 import copy
+import errno
+import logging
 import os
+import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +49,42 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, except on Ctrl-C or SIGTERM: uvicorn shuts down gracefully and then raises the signal
+    again, which ends the process in a KeyboardInterrupt traceback (and a cancelled lifespan's) after a clean
+    stop. Here the signal only asks for the shutdown (a second one forces it, as in uvicorn)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        before = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why uvicorn could not listen on host:port (one line), found before anything loads; None if it can."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"--host {host}: {e.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is in use (another server?); choose another with --port"
+            return f"cannot listen on {host}:{port}: {e.strerror}"
+    return None
+
+
 def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     """uvicorn's own log keeps its errors; its access log is off, as the app logs each request itself, with
     more (server/app.py)."""
@@ -59,6 +99,25 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicor
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+
+
+class ListeningLine(logging.Filter):
+    """uvicorn's "Uvicorn running on URL" comes the moment the port is open, long before the model has
+    loaded: said so, that nobody sends the first request then and waits on a 503."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Uvicorn running on"):
+            where = (
+                record.getMessage()
+                .removeprefix("Uvicorn running on ")
+                .removesuffix(" (Press CTRL+C to quit)")
+            )
+            record.msg = (
+                f"Listening on {where}; the model is loading, and a `ready` line follows (CTRL+C to quit)"
+            )
+            record.args = ()
+            record.__dict__.pop("color_message", None)
+        return True
 
 
 def _log_config(log_level: str) -> dict:
@@ -77,6 +136,8 @@ def _log_config(log_level: str) -> dict:
             "replica": os.environ[REPLICA_VARIABLE],
         }
         config["handlers"]["spinf_jax"]["filters"] = ["replica"]
+    config.setdefault("filters", {})["listening"] = {"()": ListeningLine}
+    config["handlers"]["default"]["filters"] = ["listening"]
     config["loggers"]["spinf_jax"] = {
         "handlers": ["spinf_jax"],
         "level": LOG_LEVELS[log_level],

@@ -83,6 +83,11 @@ class Launch:
     compile_cache: Path | None  # None: compiled programs are not kept across restarts
     devices: str | None = None  # "all" or a count: a replica per device behind a front (spinf_jax.replicas)
 
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
     def summary(self) -> str:
         """What will be served, in one line; it tells how many keys there are, never what they are."""
         s, cap = self.settings, self.settings.device_memory_cap_gib

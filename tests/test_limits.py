@@ -224,3 +224,21 @@ def test_the_floor_cache_is_bounded_in_bytes(gemma_engine):
     engine.remember_floor(key(99, tokens=2_000), np.zeros(2))  # ~72 KB: over the whole budget
     assert key(99, tokens=2_000) not in engine.cached_floors([key(99, tokens=2_000)])
     assert key(19) in engine.cached_floors([key(19)])
+
+
+def test_an_over_budget_request_is_refused_from_its_shape_before_any_tree_is_built(gemma_engine, monkeypatch):
+    """1,001 contents asked a 1,000-combination grid: refused too_many_tokens from the compiled request's
+    shape, without building a tree (which took seconds and ~420 MB a request before)."""
+    from spinf_jax import scoring
+
+    def no_trees(*args, **kwargs):
+        raise AssertionError("a tree was built for a request already over its budget")
+
+    monkeypatch.setattr(scoring, "content_trees", no_trees)
+    grid = {"id": "g", "template": "\n\nIs it {tone}?{?}", "options": [" yes", " no"],
+            "combinations": "all", "values": {"tone": [f"tone number {i}" for i in range(1000)]}}  # fmt: skip
+    body = {"inputs": [{"messages": [{"content": f"Text {i}."}]} for i in range(1001)],
+            "scoring": {"queries": [grid]}}  # fmt: skip
+    with pytest.raises(ScoringError) as e:
+        Scorer(gemma_engine, LIMITS).plan(body)
+    assert e.value.code == "too_many_tokens" and "split it" in e.value.message

@@ -100,6 +100,7 @@ class Runner:
         self._queue: queue.Queue[tuple[Any, Finish, Ticket] | None] = queue.Queue()
         self._pending = 0  # requests queued, not yet gathered into a pass
         self._held: list[tuple[Any, Finish, Ticket]] = []  # gathered, left for the next batch (_split)
+        self._next_slices: list[tuple[Any, Finish, Ticket]] = []  # large requests' next slices (_Slices)
         self._tokens_left = 0  # tokens of every request accepted and not yet answered
         self._tokens_per_second: float | None = None  # measured over recent passes
         self._device_free = 0.0  # when the device finished the last batch (perf_counter; the waiter's)
@@ -129,7 +130,8 @@ class Runner:
 
     def submit(self, plan, finish: Finish) -> Ticket:
         """Queue a plan; its future gets finish(plan, its trees' results). Cancel the future to drop the plan
-        (a client that left): the runner skips it unless its pass has started."""
+        (a client that left): the runner skips it unless its pass has started. A plan of more trees than
+        the largest bucket holds is run a slice at a time (_Slices), each behind what arrived meanwhile."""
         with self._lock:
             if self._closed:
                 raise ScoringError("shutting_down", "the server is stopping; retry shortly")
@@ -138,7 +140,8 @@ class Runner:
             self._pending += 1
             ticket = Ticket(sum(len(t) for t in plan.trees))
             self._tokens_left += ticket.tokens
-        self._queue.put((plan, finish, ticket))
+        sliced = _Slices.of(plan, finish, ticket, self.engine.buckets.largest)
+        self._queue.put(sliced.next() if sliced is not None else (plan, finish, ticket))
         return ticket
 
     @contextlib.contextmanager
@@ -170,16 +173,17 @@ class Runner:
                 self._waiter.shutdown(wait=True)
             self._finishers.shutdown(wait=True)
         stopping = ScoringError("shutting_down", "the server is stopping; retry shortly")
-        for _, _, ticket in self._held if self._thread.is_alive() else []:  # held, never launched
+        waiting = self._held + self._next_slices
+        for plan, _, ticket in waiting if self._thread.is_alive() else []:  # held, never launched
             if not ticket.done():
-                ticket.set_exception(stopping)
+                _fail(plan, ticket, stopping)
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
             if item is not None and not isinstance(item, _Done):
-                item[2].set_exception(stopping)
+                _fail(item[0], item[2], stopping)
 
     def _gather(self, batch: list, busy: _OnDevice | None = None) -> tuple[list, bool]:
         """The next batch, after `batch` (the first request, or those held from the last batch), and whether
@@ -224,7 +228,7 @@ class Runner:
         reads each batch's results once the device is done and hands them to the finishers (_finish)."""
         on_device = None  # the batch launched last, which may still be on the device
         while True:
-            if on_device is None and not self._held:
+            if on_device is None and not self._held and not self._next_slices:
                 if (first := self._queue.get()) is None:
                     return
                 if isinstance(first, _Done):  # an earlier launch's
@@ -233,20 +237,51 @@ class Runner:
             else:
                 held = self._held
                 batch, running = self._gather(list(held), busy=on_device)
+            # Large requests' next slices go behind what arrived while their last ones ran.
+            batch += self._next_slices
+            self._next_slices = []
             fresh = batch[len(held) :]
             # A cancelled future is a client that left while queued: its plan is dropped here.
-            live = held + [item for item in fresh if item[2].set_running_or_notify_cancel()]
+            live, dropped = list(held), 0
+            for item in fresh:
+                if self._runs(item):
+                    live.append(item)
+                elif not isinstance(item[0], _Slice) or item[0].index == 0:
+                    dropped += (item[0].slices.ticket if isinstance(item[0], _Slice) else item[2]).tokens
             with self._lock:
                 self._pending -= len(fresh)
-                self._tokens_left -= sum(ticket.tokens for _, _, ticket in fresh if ticket.cancelled())
+                self._tokens_left -= dropped
             # Holding requests back only pays while traffic keeps coming: a batch gathered with the device
             # idle goes whole.
             hold = on_device is not None and self.hold_back and not self._closed
             now, self._held, cuts = self._split(live, len(held)) if hold else (live, [], None)
             if now:
                 on_device = self._launch(now, cuts, on_device.handle if running else None)
+                self._queue_next_slices(now)
             elif not running:  # nothing to launch (every client left); one still on the device stays busy
                 on_device = None
+
+    @staticmethod
+    def _runs(item) -> bool:
+        """Whether a gathered request is still wanted, its future then running: a request's first slice
+        starts it (its client may have left), a later one runs while the request has not failed."""
+        plan, _, ticket = item
+        if not isinstance(plan, _Slice):
+            return ticket.set_running_or_notify_cancel()
+        ticket.set_running_or_notify_cancel()  # the slice's own, never cancelled
+        if plan.index == 0:
+            return plan.slices.ticket.set_running_or_notify_cancel()
+        return not plan.slices.ticket.done()
+
+    def _queue_next_slices(self, launched: list) -> None:
+        """Each launched slice's successor waits for the next batch, which takes it after whatever arrives
+        while this one runs: a large request takes turns with the others instead of holding the device for
+        all its passes."""
+        for plan, _, _ in launched:
+            if isinstance(plan, _Slice) and (following := plan.slices.next()) is not None:
+                with self._lock:
+                    self._pending += 1
+                self._next_slices.append(following)
 
     def _split(self, batch: list, least: int) -> tuple[list, list, Any]:
         """The batch cut in two where its passes cost least per token: its first n requests (never fewer
@@ -316,8 +351,10 @@ class Runner:
         offset = 0
         for plan, finish, ticket in batch:
             ticket.queue_s, ticket.pass_s = begin - ticket.submitted, seconds
+            if isinstance(plan, _Slice):  # the request's log line: its first wait, and all its passes
+                plan.slices.timed(begin, seconds)
             if isinstance(scored, Exception):
-                ticket.set_exception(scored)
+                _fail(plan, ticket, scored)
                 continue
             mine = scored[offset : offset + len(plan.trees)]
             offset += len(plan.trees)
@@ -331,6 +368,81 @@ class Runner:
             # should not set the estimate alone.
             old = self._tokens_per_second
             self._tokens_per_second = rate if old is None else 0.7 * old + 0.3 * rate
+
+
+class _Slice:
+    """Some consecutive trees of a large plan, queued as a plan of their own (it has `trees`)."""
+
+    def __init__(self, slices: "_Slices", index: int, trees: list):
+        self.slices, self.index, self.trees = slices, index, trees
+
+
+class _Slices:
+    """A plan whose trees fill more than the largest bucket, cut into slices of at most that many tokens
+    (each at least one tree) that take turns with other requests: the runner queues a slice's successor
+    only once the slice is launched, so a request that arrives meanwhile goes first. Scores do not depend on
+    what shares a pass, so the answer is the same bits as the plan's run whole. The request's ticket gets
+    finish(plan, every tree's results) once the last slice is read; a slice that fails fails it, and a
+    cancelled ticket (a client that left) stops what is not launched yet."""
+
+    def __init__(self, plan, finish: Finish, ticket: Ticket, cut: list[list]):
+        self.plan, self.finish, self.ticket = plan, finish, ticket
+        self.cut = cut
+        self.results: list[list | None] = [None] * len(cut)
+        self.queued = 0
+        self.pass_s = 0.0
+        self.lock = threading.Lock()
+
+    @classmethod
+    def of(cls, plan, finish: Finish, ticket: Ticket, largest: int) -> "_Slices | None":
+        if ticket.tokens <= largest:
+            return None
+        cut, tokens = [[]], 0
+        for tree in plan.trees:
+            if cut[-1] and tokens + len(tree) > largest:
+                cut.append([])
+                tokens = 0
+            cut[-1].append(tree)
+            tokens += len(tree)
+        return cls(plan, finish, ticket, cut) if len(cut) > 1 else None
+
+    def next(self) -> tuple | None:
+        """The next slice as a queue item, or None: all are queued, or the request is over."""
+        with self.lock:
+            if self.queued == len(self.cut) or self.ticket.done():
+                return None
+            index, self.queued = self.queued, self.queued + 1
+        trees = self.cut[index]
+        return _Slice(self, index, trees), self._settle_slice, Ticket(sum(map(len, trees)))
+
+    def _settle_slice(self, piece: "_Slice", scored: list):
+        """A slice's finish (on a finisher thread): kept until every slice is in, then the request's."""
+        with self.lock:
+            self.results[piece.index] = scored
+            complete = all(r is not None for r in self.results)
+        if complete and not self.ticket.done():
+            _settle(self.ticket, self.finish, self.plan, [r for part in self.results for r in part])
+
+    def timed(self, begin: float, seconds: float) -> None:
+        with self.lock:
+            if self.ticket.queue_s is None:
+                self.ticket.queue_s = begin - self.ticket.submitted
+            self.pass_s += seconds
+            self.ticket.pass_s = self.pass_s
+
+    def failed(self, exc: Exception) -> None:
+        with self.lock:
+            self.queued = len(self.cut)  # no more slices
+        if not self.ticket.done():
+            self.ticket.set_exception(exc)
+
+
+def _fail(plan, ticket: Ticket, exc: Exception) -> None:
+    """A queued or launched item's failure, to its request: a slice's goes to the request it is part of."""
+    if isinstance(plan, _Slice):
+        plan.slices.failed(exc)
+    if not ticket.done():
+        ticket.set_exception(exc)
 
 
 def _settle(ticket: Ticket, finish: Finish, plan, scored: list) -> None:

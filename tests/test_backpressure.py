@@ -423,3 +423,61 @@ def test_a_batch_leaves_its_last_requests_for_the_next_where_that_costs_less_per
     batch = [(SimpleNamespace(trees=[[0] * n]), None, SimpleNamespace(tokens=n)) for n in (2000, 600)]
     assert runner._split(batch, 0)[:2] == (batch[:1], batch[1:])  # 2,048 rows for 2,000 tokens, not 4,096
     assert runner._split(batch, 2)[:2] == (batch, [])
+
+
+def _plan(trees: int, tokens: int = 10):
+    return SimpleNamespace(trees=[[t] * tokens for t in range(trees)])
+
+
+def test_a_large_request_takes_turns_with_the_small_ones_that_come_meanwhile():
+    """A request of 40 trees where a pass holds 50 tokens runs 5 trees a slice; small requests sent while it
+    runs go into the next pass instead of waiting for all of its, and its answer is every tree in order."""
+    engine = SlowEngine()
+    engine.buckets = SimpleNamespace(largest=50)
+    runner = Runner(engine, max_queue=64, max_delay=0.0, hold_back=False)
+    large = runner.submit(_plan(40), lambda plan, scored: scored)
+    time.sleep(0.2)  # its first slice is at the gate
+    small = [runner.submit(SimpleNamespace(trees=[[99] * 3]), lambda plan, scored: scored) for _ in range(3)]
+    engine.gate.set()
+    assert [f.result(timeout=10) for f in small] == [[3]] * 3
+    assert large.result(timeout=10) == [10] * 40
+    passes = [[t[0] for t in batch] for batch in engine.scored]
+    assert passes[0] == [0, 1, 2, 3, 4] and 99 in passes[1]  # the small ones, beside the second slice
+    assert sum(len(p) for p in passes) == 43 and all(len([t for t in p if t != 99]) <= 5 for p in passes)
+    assert large.queue_s is not None and large.pass_s > 0  # its log line: first wait, all its passes
+    assert runner.depth == 0 and runner.retry_after() == 1
+
+
+def test_a_large_request_whose_client_leaves_stops_between_slices():
+    engine = SlowEngine()
+    engine.buckets = SimpleNamespace(largest=50)
+    runner = Runner(engine, max_queue=64, max_delay=0.0, hold_back=False)
+    first = runner.submit(SimpleNamespace(trees=[[7] * 10]), lambda plan, scored: scored)
+    time.sleep(0.2)  # at the gate
+    large = runner.submit(_plan(40), lambda plan, scored: scored)
+    assert large.cancel()  # queued, its first slice not launched: the client left
+    engine.gate.set()
+    assert first.result(timeout=10) == [10]
+    time.sleep(0.3)
+    assert [[t[0] for t in batch] for batch in engine.scored] == [[7]] and runner.depth == 0
+
+
+def test_a_slice_that_fails_fails_its_request_once(monkeypatch):
+    engine = SlowEngine()
+    engine.buckets = SimpleNamespace(largest=50)
+    runner = Runner(engine, max_queue=64, max_delay=0.0, hold_back=False)
+    calls = []
+
+    def collect(launched):
+        calls.append(len(launched.trees))
+        if len(calls) == 2:
+            raise RuntimeError("device fault")
+        return [len(t) for t in launched.trees]
+
+    monkeypatch.setattr(engine, "collect", collect)
+    large = runner.submit(_plan(40), lambda plan, scored: scored)
+    engine.gate.set()
+    with pytest.raises(RuntimeError, match="device fault"):
+        large.result(timeout=10)
+    time.sleep(0.3)
+    assert len(calls) <= 3  # the slices after the failure are not launched (one may have been, behind it)

@@ -584,6 +584,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queue", default="64", help="requests waiting beyond this get 429")
     p.add_argument("--max-delay-ms", default="5", help="longest wait for company in a pass")
     p.add_argument(
+        "--request-deadline",
+        default="600",
+        metavar="SECONDS",
+        help="answer a request not done this long after it arrived with 504 deadline_exceeded and drop its "
+        "work not yet started (0: none)",
+    )
+    p.add_argument(
         "--no-hold-back",
         dest="hold_back",
         action="store_false",

@@ -72,6 +72,10 @@ CODES: dict[str, tuple[int, str]] = {
     "shutting_down": (503, "the server is stopping and did not get to this request"),
     "model_failed": (503, "the model failed to load"),
     "out_of_memory": (503, "the device ran out of memory during the pass"),
+    "deadline_exceeded": (
+        504,
+        "not answered within the server's request deadline (serve --request-deadline)",
+    ),
     "internal_error": (500, "the server failed to answer (a bug): the envelope, never a stack trace"),
 }
 

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -86,6 +86,15 @@ class Ticket(Future):
         self.submitted = time.perf_counter()
         self.queue_s: float | None = None
         self.pass_s: float | None = None
+        self.stop: Callable[[], None] | None = None  # what cancel() does once it runs (a sliced request)
+
+    def cancel(self) -> bool:
+        """As a Future's; a large request already running (_Slices) stops before its next slice."""
+        if super().cancel():
+            return True
+        if self.stop is not None:
+            self.stop()
+        return False
 
 
 class Runner:
@@ -392,6 +401,9 @@ class _Slices:
         self.queued = 0
         self.pass_s = 0.0
         self.lock = threading.Lock()
+        ticket.stop = lambda: self.failed(
+            CancelledError("abandoned: its client left, or its deadline passed")
+        )
 
     @classmethod
     def of(cls, plan, finish: Finish, ticket: Ticket, largest: int) -> "_Slices | None":

@@ -481,3 +481,28 @@ def test_a_slice_that_fails_fails_its_request_once(monkeypatch):
         large.result(timeout=10)
     time.sleep(0.3)
     assert len(calls) <= 3  # the slices after the failure are not launched (one may have been, behind it)
+
+
+def test_a_running_large_request_that_is_abandoned_launches_no_more_slices():
+    engine = SlowEngine()
+    engine.buckets = SimpleNamespace(largest=50)
+    runner = Runner(engine, max_queue=64, max_delay=0.0, hold_back=False)
+    large = runner.submit(_plan(40), lambda plan, scored: scored)
+    time.sleep(0.2)  # its first slice launched, at the gate
+    assert not large.cancel()  # running: not cancelled as a Future, but stopped
+    engine.gate.set()
+    with pytest.raises(Exception, match="abandoned"):
+        large.result(timeout=10)
+    time.sleep(0.3)
+    assert len(engine.scored) <= 2 and runner.depth == 0
+
+
+def test_a_request_past_its_deadline_is_answered_504_and_the_server_goes_on(gemma_engine):
+    app = create_app(Settings("spinf/gemma-3-270m", request_deadline_s=0.001), gemma_engine)
+    with TestClient(app) as client:
+        assert loaded(client)["status"] == "ok"
+        response = client.post("/v1/score", json=BODY)
+        assert response.status_code == 504
+        error = response.json()["error"]
+        assert error["code"] == "deadline_exceeded" and "0.001 s" in error["message"]
+        assert client.get("/health").json()["status"] == "ok"

@@ -199,6 +199,11 @@ def test_server_codes_are_reachable(client, monkeypatch, tmp_path):
     monkeypatch.setattr(server.service.scorer, "plan", _failing_plan("a bug"))
     reached.add(code_of(client.post("/v1/score", json=_body()), 500))
     assert client.post("/v1/score", json=_body()).status_code == 500  # still up, still answering
+    monkeypatch.undo()
+    # A request past its deadline (test_backpressure serves one over a server of its own).
+    monkeypatch.setattr(server, "settings", replace(server.settings, request_deadline_s=1e-6))
+    reached.add(code_of(client.post("/v1/score", json=_body()), 504))
+    monkeypatch.undo()
     # No body arrives in no time (a body that really stops halfway: test_backpressure).
     monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 0)
     reached.add(code_of(client.post("/v1/score", json=_body()), 408))

@@ -3,6 +3,7 @@ every problem at once, one line each naming the flag, and exits 2; `serve --chec
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +21,9 @@ def serve(monkeypatch, capsys):
     created = []
     monkeypatch.setattr("spinf_jax.server.protocol.uvicorn_config", lambda app, *args, **kwargs: None)
     monkeypatch.setattr("uvicorn.Server.run", lambda server, sockets=None: None)
-    monkeypatch.setattr("spinf_jax.server.app.create_app", created.append)
+    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(engine=None)))
+    monkeypatch.setattr("spinf_jax.server.app.create_app", lambda s, **_: created.append(s) or app)
+    monkeypatch.setattr("spinf_jax.server.protocol.port_problem", lambda host, port: None)
     monkeypatch.setattr("spinf_jax.engine.Engine.load", lambda *a, **k: pytest.fail("a model was loaded"))
 
     def run(*args: str):

@@ -140,7 +140,8 @@ class Server:
             raise _queue_full(self.runner) from None
         served["tokens"] = ticket.tokens
         try:
-            return await unless_client_leaves(request, asyncio.wrap_future(ticket))
+            deadline = self.settings.request_deadline_s or None
+            return await unless_client_leaves(request, asyncio.wrap_future(ticket), deadline)
         finally:
             served.update(queue_ms=_ms(ticket.queue_s), pass_ms=_ms(ticket.pass_s))
 

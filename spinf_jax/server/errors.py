@@ -110,9 +110,11 @@ class ClientGone(Exception):
     """The client hung up before its answer: nothing to send (answered 499 for the logs)."""
 
 
-async def unless_client_leaves[T](request: Request, work: Awaitable[T]) -> T:
+async def unless_client_leaves[T](request: Request, work: Awaitable[T], deadline: float | None = None) -> T:
     """`work`'s result; if the client hangs up first, `work` is cancelled (a plan the runner has not started
-    is dropped, a replica's request is closed: abandoned work delays nobody) and ClientGone is raised."""
+    is dropped, a large one's slices not launched yet too, a replica's request is closed: abandoned work
+    delays nobody) and ClientGone is raised. Past `deadline` seconds it is cancelled as well, and answered
+    deadline_exceeded."""
 
     async def client_left():
         # The body has been read, so the next ASGI message is http.disconnect: when the client hangs up,
@@ -121,12 +123,19 @@ async def unless_client_leaves[T](request: Request, work: Awaitable[T]) -> T:
             pass
 
     answer, left = asyncio.ensure_future(work), asyncio.ensure_future(client_left())
-    await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({answer, left}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
     if answer.done():
         left.cancel()
         return answer.result()
     answer.cancel()
-    raise ClientGone
+    if left.done():
+        raise ClientGone
+    left.cancel()
+    raise ScoringError(
+        "deadline_exceeded",
+        f"not answered within {deadline:g} s of its arrival (the server's --request-deadline); a smaller "
+        "request, or one sent when the queue is shorter, fits in it",
+    )
 
 
 def _coded(code: str) -> tuple[int, str]:

@@ -40,6 +40,9 @@ class Settings:
     metrics_auth: bool = False  # /metrics asks for a key too
     max_queue: int = 64
     max_delay_ms: float = 5.0
+    # From a request's arrival (its body read) to its answer: past this it is answered deadline_exceeded (504)
+    # and its work not yet launched is dropped. 0: no deadline.
+    request_deadline_s: float = 600.0
     # A batch gathered while the device was busy may leave its last requests to the next (spinf_jax.runner):
     # fewer padding rows, up to one pass more for those requests.
     hold_back: bool = True
@@ -135,6 +138,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         )
     max_queue = _whole("--max-queue", args.max_queue, problems, low=1)
     max_delay_ms = _number("--max-delay-ms", args.max_delay_ms, problems, "milliseconds", zero=True)
+    deadline_s = _number("--request-deadline", args.request_deadline, problems, "seconds", zero=True)
     cap = args.device_memory_cap
     cap_gib = None if cap is None else _number("--device-memory-cap", cap, problems, "GiB", zero=False)
     buckets = None if args.buckets is None else _buckets(args.buckets, problems)
@@ -185,6 +189,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         metrics_auth=args.metrics_auth,
         max_queue=max_queue,
         max_delay_ms=max_delay_ms,
+        request_deadline_s=deadline_s,
         hold_back=args.hold_back,
         served_names=tuple(args.served_model_name),
         device_memory_cap_gib=cap_gib,

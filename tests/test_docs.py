@@ -5,9 +5,10 @@ Each file's blocks run in order, in one temporary folder, against one test serve
 - ```python blocks are executed in one namespace per file, with the server's URL for localhost:8000;
 - ```sh / ```bash blocks are read a command at a time: `curl` is sent with httpx and must answer 2xx,
   `cat > FILE <<'EOF'` writes the file, `mkdir -p DIR` makes the folder, `export K=V` sets the variable,
-  `spinf-jax ...` runs in process (`serve` with `--check`, which validates every flag and file without
-  loading), and the few commands that need a machine of their own (docker, installers) are listed in
-  NOT_RUN. Any other command fails the test.
+  `uv run spinf-jax ...` (how a reader runs it from a checkout; a bare `spinf-jax` fails the test, as a
+  shell outside the venv would) runs in process (`serve` with `--check`, which validates every flag and
+  file without loading), and the few commands that need a machine of their own (docker, installers) are
+  listed in NOT_RUN. Any other command fails the test.
 The fast tier runs each file's first example; the slow tier (CI) every example of each file, and then the
 fast tier's copy is deselected (tests/conftest.py).
 `Engine.load` of the two built-in models hands back the session's engines (fp32 whatever precision is asked),
@@ -99,6 +100,11 @@ def run_command(command: str, url: str, setenv=None) -> None:
         Path(heredoc.group(1)).write_text(heredoc.group(3))
         return
     argv = shlex.split(command.replace("\\\n", ""))  # a shell drops a backslash-newline
+    assert argv[0] != "spinf-jax", (
+        f"a command from a checkout runs as `uv run spinf-jax ...` (README): {command}"
+    )
+    if argv[:2] == ["uv", "run"]:  # how the docs run commands from a checkout: the command after uv's options
+        argv = _after_uv_options(argv[2:])
     if argv[0] == "export":
         name, value = argv[1].split("=", 1)
         setenv(name, LOCAL.sub(url, value))
@@ -116,6 +122,18 @@ def run_command(command: str, url: str, setenv=None) -> None:
         assert cli.main(argv) == 0, command
     else:
         assert argv[0] in NOT_RUN, f"the docs runner does not know how to run: {command}"
+
+
+def _after_uv_options(argv: list[str]) -> list[str]:
+    """`uv run [--extra X]... [--] COMMAND ...` → COMMAND ...; the docs' uv options take a value or none."""
+    with_value = {"--extra", "--with", "--python", "--group", "--package"}
+    while argv and argv[0].startswith("-"):
+        option = argv.pop(0)
+        if option == "--":
+            break
+        if option in with_value:
+            argv.pop(0)
+    return argv
 
 
 @pytest.fixture
@@ -181,6 +199,8 @@ export SPINF_API_KEY=k
     ]
     with pytest.raises(AssertionError, match="does not know how to run"):
         run_command("rm -rf /tmp/x", "http://127.0.0.1:1")
+    with pytest.raises(AssertionError, match="runs as `uv run spinf-jax"):  # a reader's shell has no venv
+        run_command("spinf-jax --version", "http://127.0.0.1:1")
 
 
 def test_the_runner_joins_continued_lines_and_makes_folders(tmp_path, monkeypatch):
@@ -189,4 +209,35 @@ def test_the_runner_joins_continued_lines_and_makes_folders(tmp_path, monkeypatc
     run_command("mkdir -p out/plots", "http://127.0.0.1:1")
     assert (tmp_path / "out" / "plots").is_dir()
     # one command over two lines: serve --check must exit 0 with both flags read
-    run_command("spinf-jax serve --port 8001 \\\n    --max-queue 8", "http://127.0.0.1:1")
+    run_command(
+        "uv run --extra server spinf-jax serve --port 8001 \\\n    --max-queue 8", "http://127.0.0.1:1"
+    )
+
+
+@pytest.mark.slow  # subprocesses through uv, each importing the package
+def test_a_fresh_shell_in_the_checkout_runs_what_the_docs_write():
+    """The way the docs run things from a checkout works in a shell outside the test's venv: `uv run
+    spinf-jax ...` finds the command, `uv run python` imports the package (a bare `spinf-jax` there is
+    `command not found`, which the docs therefore never write)."""
+    import os
+    import shutil
+    import subprocess
+
+    uv = os.environ.get("UV") or shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not installed here")
+    venv = str(REPO / ".venv")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    paths = [p for p in env.get("PATH", "").split(os.pathsep) if p and not p.startswith(venv)]
+    env["PATH"] = os.pathsep.join([str(Path(uv).parent), *paths])
+
+    def shell(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+
+    bare = shell("command -v spinf-jax || echo none")
+    assert bare.stdout.strip() == "none" or not bare.stdout.startswith(venv)
+    version = shell("uv run --extra server --extra models spinf-jax --version")
+    assert version.returncode == 0 and version.stdout.startswith("spinf-jax "), version.stderr[-2000:]
+    client = shell("uv run python -c 'import spinf_jax.client, sys; print(\"jax\" in sys.modules)'")
+    assert client.returncode == 0, client.stderr[-2000:]

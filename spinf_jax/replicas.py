@@ -32,6 +32,12 @@ DEVICE_VARIABLE = "SPINF_JAX_DEVICE"  # a replica's device: an index into jax.de
 REPLICA_VARIABLE = "SPINF_JAX_REPLICA"  # a replica's number, added to its log lines
 LOG = logging.getLogger("spinf_jax.replicas")
 POLL_S = 0.5  # how often the supervisor looks at the replicas
+# A ready replica's /health is answered by its event loop, not its engine: a replica busy with a long pass
+# still answers at once. One that has not answered for HEALTH_DEADLINE_S is stuck (stopped, hung): it is
+# marked down, and the front passes its requests in flight to another replica. Stuck for STUCK_RESTART_S, its
+# process is killed and started again (as an exit would be).
+HEALTH_DEADLINE_S = 5.0
+STUCK_RESTART_S = 60.0
 # A replica that exits this many times within RESTART_WINDOW_S is left failed, not started again.
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 600.0
 _PROBE = "import json, jax; d = jax.devices(); print(json.dumps([d[0].platform, len(d)]))"
@@ -106,6 +112,7 @@ class Replica:
     process: subprocess.Popen | None = None
     env: dict[str, str] | None = field(default=None, repr=False)
     exits: list[float] = field(default_factory=list, repr=False)  # when its process exited
+    answered: float = field(default_factory=time.monotonic, repr=False)  # its /health's last answer
 
 
 class Replicas:
@@ -158,10 +165,11 @@ class Replicas:
         port = replica.url.rsplit(":", 1)[1]
         replica.process = subprocess.Popen([*self._command, "--port", port], env=replica.env)
         replica.state, replica.error = "starting", None
+        replica.answered = time.monotonic()
         log(LOG, "replica_started", replica=replica.index, device=replica.device, pid=replica.process.pid)
 
     def _supervise(self) -> None:
-        with httpx.Client(timeout=10, headers=self.headers) as http:
+        with httpx.Client(timeout=HEALTH_DEADLINE_S, headers=self.headers) as http:
             while not self._closing.wait(POLL_S):
                 for replica in self.members:
                     self._look_at(replica, http)
@@ -189,19 +197,38 @@ class Replicas:
             replica.restarts += 1
             self._start(replica)
             return
-        if replica.state == "ready" and not replica.compiling:
-            return
         try:
             health = http.get(f"{replica.url}/health").json()
         except (httpx.HTTPError, ValueError):
-            return  # not listening yet
+            self._unanswered(replica)  # not listening yet, or stuck
+            return
+        replica.answered = time.monotonic()
         if health.get("ready"):
             replica.compiling = bool(health.get("compiling"))
             if replica.state != "ready":
-                replica.state = "ready"
+                replica.state, replica.error = "ready", None
                 log(LOG, "replica_ready", replica=replica.index, device=replica.device)
         elif health.get("status") == "error":
             replica.state, replica.error = "failed", health.get("error")
+
+    def _unanswered(self, replica: Replica) -> None:
+        """A replica whose /health did not answer within HEALTH_DEADLINE_S: once ready, it is stuck (marked
+        down: no requests, and those in flight go elsewhere); stuck STUCK_RESTART_S, it is restarted."""
+        if replica.state == "starting":
+            replica.answered = time.monotonic()  # loading: its port may not be open yet
+            return
+        silent = time.monotonic() - replica.answered
+        if replica.state == "ready":
+            replica.state = "down"
+            replica.error = f"its /health did not answer within {HEALTH_DEADLINE_S:g} s"
+            log(LOG, "replica_stuck", logging.WARNING, replica=replica.index, silent_s=round(silent, 1))
+        elif replica.state == "down" and silent > STUCK_RESTART_S and replica.process is not None:
+            log(LOG, "replica_restarted", logging.WARNING, replica=replica.index, silent_s=round(silent, 1))
+            replica.process.kill()  # SIGKILL reaches a stopped process too; the exit restarts it
+            replica.process.wait(timeout=30)
+            replica.restarts += 1
+            self._start(replica)
+            replica.answered = time.monotonic()
 
     def pick(self, skip: Sequence[Replica] = ()) -> Replica | None:
         """The ready replica with the fewest requests in flight (not one of `skip`); None if there is none."""

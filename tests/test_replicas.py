@@ -5,11 +5,13 @@ replica on another device scores the same bits; a replica killed mid-job is star
 The fast tests put the front over the session's server (twice, as two replicas) and over stand-ins that are
 busy or not listening. The slow ones start real replica processes on the CPU with two forced host devices."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -328,3 +330,40 @@ def test_the_kubernetes_manifest_serves_on_one_gpu_and_probes_health():
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert cli.main(["serve", *container["args"], "--check"]) == 0  # the entrypoint adds `serve`
     assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["containerPort"] == 8000
+
+
+def test_a_stuck_replica_is_found_its_requests_go_elsewhere_and_it_is_restarted(monkeypatch):
+    """A replica stopped with SIGSTOP (stand-in processes, tests/fake_replica.py): within the health deadline
+    it is marked down in /health and /metrics, the request it held is answered by the other replica, and
+    once stuck past STUCK_RESTART_S it is killed and started again."""
+    from spinf_jax import replicas as replicas_module
+
+    monkeypatch.setattr(replicas_module, "HEALTH_DEADLINE_S", 1.0)
+    monkeypatch.setattr(replicas_module, "STUCK_RESTART_S", 3.0)
+    members = [Replica(i, f"cpu:{i}", f"http://127.0.0.1:{free_port()}") for i in range(2)]
+    pool = Replicas(members)
+    pool._command = [sys.executable, str(Path(__file__).with_name("fake_replica.py"))]
+    with in_thread(create_front(Settings("spinf/gemma-3-270m"), pool, "cpu")) as url:
+        _wait(lambda: all(r.state == "ready" for r in members), timeout=60)
+        answers = []
+        asking = threading.Thread(
+            target=lambda: answers.append(httpx.post(f"{url}/v1/score", json={"delay": 3}, timeout=60))
+        )
+        started = time.monotonic()
+        asking.start()
+        _wait(lambda: any(r.in_flight for r in members), timeout=10)
+        held = next(r for r in members if r.in_flight)
+        other = next(r for r in members if r is not held)
+        first_pid = held.process.pid
+        os.kill(first_pid, signal.SIGSTOP)
+        try:
+            asking.join(timeout=30)
+            assert answers and answers[0].json() == {"port": int(other.url.rsplit(":", 1)[1])}
+            assert time.monotonic() - started < 3 + 1 + 5  # its own 3 s, the deadline, and some slack
+            states = {r["index"]: r["state"] for r in httpx.get(f"{url}/health").json()["replicas"]}
+            assert states[held.index] == "down" or held.restarts == 1
+            _wait(lambda: held.restarts == 1 and held.state == "ready", timeout=30)
+            assert held.process.pid != first_pid
+        finally:  # the stopped process, where the supervisor has not killed it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first_pid, signal.SIGKILL)

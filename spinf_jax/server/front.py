@@ -2,7 +2,8 @@
 replica (spinf_jax.replicas) with the fewest requests in flight; /health and /metrics speak for all of them.
 
 A replica that is busy (429) or not ready (503) passes the request to the next one, and so does one that stops
-answering mid-request: scoring is a pure function of the request, so asking another replica gives the same
+answering mid-request (its connection lost, or its /health silent: the supervisor marks it stuck, and restarts
+it if it stays so): scoring is a pure function of the request, so asking another replica gives the same
 bits. Replicas run with the front's own flags, API keys included, and check the key themselves; the front
 never starts a JAX backend, so it holds no device memory.
 """
@@ -31,9 +32,16 @@ from spinf_jax.server.settings import Settings
 FORWARDED = ("authorization", "x-api-key", "content-type", "accept", "x-request-id")
 RETURNED = ("content-type", "retry-after", "www-authenticate", "x-request-id")
 PASSED_ON = (429, 503)  # answers that another replica may better
-# A pass can wait behind a full queue for a minute or more: no read timeout; a replica that does not take the
-# connection at once is not listening.
+# A pass can wait behind a full queue for a minute or more: no read timeout (the replica's own deadline,
+# --request-deadline, answers a request that takes too long); a replica that does not take the connection at
+# once is not listening, and one that stops answering /health is found stuck by the supervisor, which the
+# requests in flight there see within STUCK_CHECK_S.
 TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+STUCK_CHECK_S = 0.5
+
+
+class ReplicaStuck(Exception):
+    pass
 
 
 @dataclass
@@ -53,11 +61,14 @@ class Front:
             tried.append(replica)
             with self.replicas.using(replica):
                 try:
-                    answer = await self.http.request(
-                        request.method, replica.url + target, content=body, headers=headers
-                    )
+                    answer = await self._unless_stuck(
+                        replica, self.http.request(request.method, replica.url + target, content=body,
+                                                   headers=headers)
+                    )  # fmt: skip
                 except httpx.TransportError:
                     self.replicas.lost(replica)
+                    continue
+                except ReplicaStuck:
                     continue
             if answer.status_code not in PASSED_ON:
                 return _relay(answer)
@@ -65,6 +76,19 @@ class Front:
         if passed_on is not None:
             return _relay(passed_on)
         raise self._none_ready()
+
+    @staticmethod
+    async def _unless_stuck(replica: Replica, asked):
+        """The replica's answer, unless the supervisor marks it stuck first (its /health silent past
+        replicas.HEALTH_DEADLINE_S): then the request is dropped there, to be asked of another replica.
+        Scoring is pure, so the other's answer is the same bits."""
+        answer = asyncio.ensure_future(asked)
+        while not answer.done():
+            await asyncio.wait({answer}, timeout=STUCK_CHECK_S)
+            if not answer.done() and replica.state != "ready":
+                answer.cancel()
+                raise ReplicaStuck
+        return answer.result()
 
     def _none_ready(self) -> ApiError:
         if self.replicas.starting:

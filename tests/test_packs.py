@@ -451,3 +451,29 @@ def test_calibrate_command(tmp_path, capsys):
     assert (report["normal_items"], report["labelled_items"]) == (3, 4)
     pack = read_pack(tmp_path / "packs" / "demo.yaml")
     assert pack.calibration.normal_items == 3 and pack.categories[0].cells[0].baseline.items == 3
+
+
+@pytest.mark.parametrize(("calibrated_at", "warned"), [("bf16", True), ("fp32", False)])
+def test_a_pack_calibrated_at_another_precision_is_warned_of_at_start(
+    gemma_engine, tmp_path, caplog, calibrated_at, warned
+):
+    """The session's engine runs fp32: a pack calibrated for the model at bf16 only gets a warning line
+    naming both precisions and what to do; one calibrated at fp32 gets none."""
+    import logging
+
+    from litestar.testing import TestClient
+
+    on = [{"model": "spinf/gemma-3-270m", "precision": calibrated_at}]
+    _write(tmp_path, {**DEMO, "calibrated_on": on}, "demo.yaml")
+    settings = Settings("spinf/gemma-3-270m", packs=load_packs([str(tmp_path)], official=False))
+    app = create_app(settings, gemma_engine)
+    with caplog.at_level(logging.WARNING, logger="spinf_jax.progress"), TestClient(app) as client:
+        assert loaded(client)["status"] == "ok"
+    lines = [r.getMessage() for r in caplog.records if "pack_precision" in r.getMessage()]
+    assert bool(lines) == warned, lines
+    if warned:
+        assert (
+            "calibrated_at=bf16" in lines[0]
+            and "served_at=fp32" in lines[0]
+            and "--precision bf16" in lines[0]
+        )

@@ -102,6 +102,7 @@ class Server:
             self.memory_needed = engine.device_bytes_needed()
             check_fits(self.memory_needed, s.device_memory_cap_gib)
             service = Service.over(engine, packs=s.packs, calibration=s.calibration, limits=s.limits())
+            _warn_of_packs_at_another_precision(service, engine)
             self.runner = Runner(
                 engine, s.max_queue, s.max_delay_ms / 1000, self.metrics.on_batch, hold_back=s.hold_back
             )
@@ -144,6 +145,20 @@ class Server:
             return await unless_client_leaves(request, asyncio.wrap_future(ticket), deadline)
         finally:
             served.update(queue_ms=_ms(ticket.queue_s), pass_ms=_ms(ticket.pass_s))
+
+
+def _warn_of_packs_at_another_precision(service: Service, engine: Engine) -> None:
+    """A pack calibrated for this model at other precisions only: its baselines and thresholds were fitted
+    on scores this server does not give (the official packs are calibrated at fp32; `serve` runs bf16 by
+    default). A warning line at start, with what to do."""
+    model, served = engine.model.name, engine.model.precision.value
+    for compiled in service.scorer.packs.values():
+        pack = compiled.pack
+        at = sorted({c.precision for c in pack.calibrated_on if c.model == model and c.precision})
+        if at and served not in at:
+            log(PROGRESS, "pack_precision", logging.WARNING, pack=pack.id, calibrated_at=",".join(at),
+                served_at=served, hint=f"serve --precision {at[0]} for the thresholds it was calibrated "
+                "with, or recalibrate it: spinf-jax packs calibrate")  # fmt: skip
 
 
 def _ms(seconds: float | None) -> float | None:

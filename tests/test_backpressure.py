@@ -250,6 +250,15 @@ def test_headers_that_never_finish_lose_their_connection(gemma_engine, monkeypat
         with socket.create_connection(("127.0.0.1", port), timeout=10) as prompt:  # others are served
             prompt.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert prompt.recv(1024).startswith(b"HTTP/1.1 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as malformed:  # the envelope, as JSON
+            malformed.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+            reply = b""
+            while chunk := malformed.recv(4096):
+                reply += chunk
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+            error = msgspec.json.decode(body)["error"]
+            assert error["code"] == "invalid_request" and "malformed HTTP request" in error["message"]
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -10,12 +10,16 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
+import h11
+import msgspec
 import uvicorn
 from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from spinf_jax import api
 from spinf_jax.progress import ReplicaTag, formatter
 from spinf_jax.replicas import REPLICA_VARIABLE, free_port
 
@@ -42,6 +46,20 @@ class HeaderTimeoutProtocol(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._header_deadline.cancel()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (`Content-Length: abc`, a broken request line): the API's envelope,
+        as JSON, where uvicorn sends a line of plain text."""
+        message = f"a malformed HTTP request: {msg}"
+        error = api.ErrorDetail(
+            type="invalid_request_error", code="invalid_request", message=message, param=None
+        )
+        body = msgspec.json.encode(api.ErrorEnvelope(error=error, request_id=f"req_{uuid.uuid4().hex}"))
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        head = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
+        for event in (head, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _headers_too_slow(self) -> None:
         # Only between requests: a request whose headers arrived is the app's to answer, however long.

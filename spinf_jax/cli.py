@@ -121,14 +121,21 @@ def _packs(args) -> int:
     """`spinf-jax packs list | show ID | validate PATH... | schema | calibrate ID --traffic F`."""
     import msgspec
 
-    from spinf_jax.packs.format import PackError, read_pack
-    from spinf_jax.packs.loader import describe, load_packs
+    from spinf_jax.packs.format import SUFFIXES, PackError, read_pack
+    from spinf_jax.packs.loader import describe, load_packs, pack_files
 
     if args.action == "schema":
         print(msgspec.json.format(msgspec.json.encode(pack_schema()), indent=2).decode())
         return 0
     try:
         if args.action == "validate":
+            # A folder is its pack files, as --packs reads it.
+            asked, args.paths = args.paths, []
+            for path in map(Path, asked):
+                files = pack_files(path) if path.is_dir() else [path]
+                if not files:
+                    raise PackError(path, "", f"no pack files ({', '.join(SUFFIXES)}) in it")
+                args.paths += files
             packs = [read_pack(path) for path in args.paths]
             if not args.no_model:
                 from spinf_jax.loader import load_model

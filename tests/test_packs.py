@@ -267,6 +267,10 @@ def test_packs_commands(capsys, tmp_path):
     assert main(["packs", "show", "test/demo", "--packs", str(TEST_PACKS), "--no-official-packs"]) == 0
     assert msgspec.yaml.decode(capsys.readouterr().out.split("\n", 1)[1])["id"] == "test/demo"
     assert main(["packs", "validate", "--no-model", str(TEST_PACKS / "demo.yaml")]) == 0
+    assert main(["packs", "validate", "--no-model", str(TEST_PACKS)]) == 0  # a folder, as --packs takes it
+    (tmp_path / "empty").mkdir()
+    assert main(["packs", "validate", "--no-model", str(tmp_path / "empty")]) == 2
+    assert "no pack files (.yaml, .yml, .json) in it" in capsys.readouterr().err
     broken = _write(tmp_path, _broken(("categories", 0, "cells", 0, "option"), " maybe"))
     assert main(["packs", "validate", "--no-model", str(broken)]) == 2
     assert "categories[0].cells[0].option" in capsys.readouterr().err

@@ -66,7 +66,7 @@ def load_packs(
             )
     loaded: dict[str, LoadedPack] = {}
     for folder, source, commit in folders:
-        files = sorted(p for p in folder.rglob("*") if p.suffix in SUFFIXES and p.is_file() and _is_pack(p))
+        files = pack_files(folder)
         if not files and source != "official":
             at = f" at {commit[:12]}" if commit else ""
             raise PackError(source, "", f"no pack files ({', '.join(SUFFIXES)}) in it{at}")
@@ -76,6 +76,11 @@ def load_packs(
                 raise PackError(path, "id", f"pack {pack.id!r} is also defined in {loaded[pack.id].path}")
             loaded[pack.id] = LoadedPack(pack, path, source, commit)
     return loaded
+
+
+def pack_files(folder: Path) -> list[Path]:
+    """The pack files of a folder and its subfolders, in order."""
+    return sorted(p for p in folder.rglob("*") if p.suffix in SUFFIXES and p.is_file() and _is_pack(p))
 
 
 def _is_pack(path: Path) -> bool:

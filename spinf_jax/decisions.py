@@ -401,8 +401,19 @@ class Decider:
         try:
             chunks = content_trees(self.format.tokenizer.prefix(), list(trunk), keys, self.engine.buckets)
         except ValueError as e:
-            raise ScoringError("question_too_large", str(e), "state") from e
+            raise ScoringError("question_too_large", str(e), self._too_large(trunk, decisions, params)) from e
         return DecisionPlan(trunk, decisions, [tree for tree, _ in chunks], shared)
+
+    def _too_large(self, trunk, decisions: list[Decision], params: list[str]) -> str:
+        """Which field a prompt too large for the largest bucket is blamed on: the state where it alone
+        takes most of the bucket, else the decision whose prompt after the state is the longest."""
+        largest = self.engine.buckets.largest
+        if len(trunk) > largest // 2:
+            return "state"
+        longest = max(
+            range(len(decisions)), key=lambda i: max(len(o.branch_ids) for o in decisions[i].orderings)
+        )
+        return _at(params[longest], "question")
 
     def finish(self, plan: DecisionPlan, scored: list["Scored"]):
         """The reply of a plan whose trees were scored: an api.DecisionResult, or api.SharedDecisions."""

@@ -280,3 +280,21 @@ def test_a_thinking_template_is_asked_for_its_answer_not_its_thoughts(smollm_eng
     )
     text = tokenizer.render_chat([{"role": "user", "content": "Which team?"}])
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_prompt_too_large_for_the_buckets_is_blamed_on_the_field_that_made_it(smollm):
+    """A huge question over a short state is the question's fault (not the state's), in /decide and in
+    /decide/shared; a huge state is the state's."""
+    options = [{"id": "a", "description": "A"}, {"id": "b", "description": "B"}]
+    huge = "why " * 20_000
+    cases = [
+        ({"id": "d", "state": "short", "question": huge, "options": options}, "question"),
+        ({"state": "short", "decisions": [{"id": "a", "question": "Fine?", "options": options},
+                                          {"id": "b", "question": huge, "options": options}]},
+         "decisions[1].question"),
+        ({"id": "d", "state": huge, "question": "Fine?", "options": options}, "state"),
+    ]  # fmt: skip
+    for body, param in cases:
+        with pytest.raises(ScoringError) as e:
+            smollm.decide(body)
+        assert (e.value.code, e.value.param) in {("question_too_large", param), ("content_too_long", param)}

@@ -179,3 +179,14 @@ def test_the_key_is_checked_before_the_body():
     client = TestClient(create_app(Settings("spinf/gemma-3-270m", api_keys=("sekret",))))
     response = client.post("/v1/score", content=b"{nope")
     assert (response.status_code, response.json()["error"]["code"]) == (401, "invalid_api_key")
+
+
+def test_the_schema_page_needs_nothing_from_the_network(client):
+    """/schema is HTML written by the server (every route listed, no script from a CDN), beside the
+    document as JSON and YAML."""
+    page = client.get("/schema")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    text = page.text
+    assert "<script" not in text and "http" not in text.split("<body>")[1].split("openapi.json")[0]
+    assert "<code>/v1/score</code>" in text and "<code>/v1/systemone</code>" in text
+    assert client.get("/schema/openapi.yaml").status_code == 200

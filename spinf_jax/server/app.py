@@ -43,6 +43,7 @@ from spinf_jax.server.errors import (
 )
 from spinf_jax.server.memory import check_fits
 from spinf_jax.server.metrics import DISCONNECTED, UNMATCHED, Metrics
+from spinf_jax.server.schema_page import schema_plugins
 from spinf_jax.server.settings import Settings
 from spinf_jax.service import Service
 from spinf_jax.systemone import SystemOneRequest
@@ -519,6 +520,7 @@ def create_app(settings: Settings, engine: Engine | None = None, url: str | None
             version=version("spinf-jax"),
             path="/schema",
             components=Components(security_schemes=SECURITY_SCHEMES),
+            render_plugins=schema_plugins(),
         ),
         # Litestar's own logging config would make the root logger print every library's INFO lines (JAX's
         # "Unable to initialize backend 'tpu'" at start): its exceptions go to the litestar logger alone.

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from spinf_jax import compiler
 from spinf_jax.answers import Vocabulary
-from spinf_jax.api import Message, ScoreRequest
+from spinf_jax.api import ChatCompletionRequest, Message, ScoreRequest
 from spinf_jax.compiler import (
     CompiledRequest,
     Limits,
@@ -153,9 +153,13 @@ def test_number_slots_need_digit_tokens(gemma, monkeypatch):
 
 
 def test_defaults_and_ignored_fields(gemma):
-    body = req(YES_NO, temperature=0.2, stream=True, n=3, model=None)
+    """The chat route's request ignores the chat fields the OpenAI SDKs send; /v1/score's refuses them, as
+    it refuses any field it does not have (a misspelling is never read as a field left out)."""
+    body = req(YES_NO, temperature=0.2, n=3, model=None)
     body["scoring"]["empty_floor"] = False
-    request = compile_body(body, gemma)
+    request = compile_request(convert(body, ChatCompletionRequest), gemma, Limits())
+    error = _raises(body, gemma)
+    assert (error.code, error.param) == ("invalid_request", "temperature")
     assert (request.model, request.contents[0].packs) == (None, ())
     assert not any(q.floor for q in _questions(request))
     assert all(q.floor for q in _questions(compile_body(req(YES_NO), gemma)))

@@ -292,9 +292,7 @@ def test_serve_on_every_device_restarts_a_lost_replica(smollm_engine):
         running = _children(front.pid)
         front.send_signal(signal.SIGTERM)  # the front stops its replicas first
         _, err = front.communicate(timeout=120)
-    assert front.returncode == -signal.SIGTERM, err[
-        -3000:
-    ]  # uvicorn stops, then dies of the signal it caught
+    assert front.returncode == 0, err[-3000:]  # a graceful stop, not death by the signal it caught
     assert (
         "replica_exited" in err
         and len(running) == 2

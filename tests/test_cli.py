@@ -67,6 +67,8 @@ def test_ctrl_c_and_sigterm_stop_the_server_quietly(sig, tmp_path):
         str(port),
         "--precision",
         "fp32",
+        "--buckets",
+        "256",  # one small program to compile: the test is about stopping
     ]
     with err_path.open("w") as err:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)

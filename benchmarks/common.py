@@ -4,8 +4,13 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import platform
+import shlex
 import statistics
+import sys
 import time
+from datetime import date
 from pathlib import Path
 
 import jax
@@ -362,3 +367,18 @@ def write_articles(job: dict, count: int, path: Path) -> Path:
             c = job["contents"][k % len(job["contents"])]
             f.write(json.dumps({"id": f"{c['id']}-{k}", "text": c["text"]}) + "\n")
     return path
+
+
+def write_cpu_document(benchmark: str, out: str | None, **fields) -> None:
+    """A CPU benchmark's result: its name, the date, the machine and the command line, then `fields`;
+    printed as one JSON line, and written to `out` where given."""
+    document = {
+        "benchmark": benchmark,
+        "date": date.today().isoformat(),
+        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, no accelerator)",
+        "command": f"python benchmarks/{benchmark}.py " + shlex.join(sys.argv[1:]),
+        **fields,
+    }
+    if out:
+        Path(out).write_text(json.dumps(document, indent=2) + "\n")
+    print(json.dumps(document))

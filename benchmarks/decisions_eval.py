@@ -23,17 +23,14 @@ Prints a table per model and set and ends with one JSON line; --out writes the J
 
 import argparse
 import json
-import os
-import platform
 import shlex
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from datetime import date
 from pathlib import Path
 
 import httpx
 import numpy as np
+from common import write_cpu_document
 from server_process import start_server, stop_server, wait_ready
 
 from spinf_jax import calibration
@@ -239,18 +236,9 @@ def main() -> None:
                     print_table(model, f"{name}, {mode}", result)
         finally:
             stop_server(process)
-    document = {
-        "benchmark": "decisions_eval",
-        "date": date.today().isoformat(),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, no accelerator)",
-        "command": "python benchmarks/decisions_eval.py " + shlex.join(sys.argv[1:]),
-        "precision": args.precision,
-        "orderings": "rotations",
-        "results": results,
-    }
-    if args.out:
-        Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
-    print(json.dumps(document))
+    write_cpu_document(
+        "decisions_eval", args.out, precision=args.precision, orderings="rotations", results=results
+    )
 
 
 if __name__ == "__main__":

@@ -21,19 +21,16 @@ Prints a line per case and server and ends with one JSON line; --out writes the 
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import date
 from pathlib import Path
 
 import httpx
-from common import seed_job
+from common import seed_job, write_cpu_document
 from server_process import start_server, stop_server, wait_compiled, wait_ready
 from soak import rss_mib
 
@@ -157,16 +154,7 @@ def main() -> None:
     serve_args = shlex.split(args.serve_args)
     sources = ([Path(args.before).resolve()] if args.before else []) + [HERE.parent]
     runs = [run_server(source, serve_args, args.cases, args) for source in sources]
-    document = {
-        "benchmark": "faults",
-        "date": date.today().isoformat(),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, no accelerator)",
-        "command": "python benchmarks/faults.py " + shlex.join(sys.argv[1:]),
-        "runs": runs,
-    }
-    if args.out:
-        Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
-    print(json.dumps(document))
+    write_cpu_document("faults", args.out, runs=runs)
 
 
 if __name__ == "__main__":

@@ -269,7 +269,7 @@ def _calibration(args) -> int:
         document["temperature_by_type"] = {k: v["temperature"] for k, v in fits["typed"].items()}
         document["typed"] = fits["typed"]
         if args.by_options:
-            typed_rows = [entry for entry in scored_rows(rows, scored) if entry[2].kind == "typed"]
+            typed_rows = [entry for entry in _scored_rows(rows, scored) if entry[2].kind == "typed"]
             try:
                 entry, per_count = fit_by_options(typed_rows)
             except calibration.CalibrationError as e:
@@ -284,7 +284,7 @@ def _calibration(args) -> int:
     return 0
 
 
-def scored_rows(rows, scored) -> list[tuple]:
+def _scored_rows(rows, scored) -> list[tuple]:
     """(log-probabilities, floor, row) per row."""
     return [(lp, floor, row) for (lp, floor), row in zip(scored, rows, strict=True)]
 
@@ -292,7 +292,7 @@ def scored_rows(rows, scored) -> list[tuple]:
 def _by_workload(rows, scored) -> dict[tuple[str, bool], list[tuple]]:
     """The rows of each workload, and of each question type (typed rows), in first-seen order."""
     out: dict[tuple[str, bool], list[tuple]] = {}
-    for entry in scored_rows(rows, scored):
+    for entry in _scored_rows(rows, scored):
         row = entry[2]
         out.setdefault((row.workload, row.kind == "typed"), []).append(entry)
     return out

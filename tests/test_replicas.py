@@ -330,6 +330,7 @@ def test_the_kubernetes_manifest_serves_on_one_gpu_and_probes_health():
     assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["containerPort"] == 8000
 
 
+@pytest.mark.slow  # stand-in replica processes, and seconds of waiting for the deadlines
 def test_a_stuck_replica_is_found_its_requests_go_elsewhere_and_it_is_restarted(monkeypatch):
     """A replica stopped with SIGSTOP (stand-in processes, tests/fake_replica.py): within the health deadline
     it is marked down in /health and /metrics, the request it held is answered by the other replica, and

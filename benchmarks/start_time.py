@@ -3,8 +3,9 @@
     python3 benchmarks/start_time.py --tokenizer TOKENIZER_DIR --out $OUT [--buckets 4096,16384]
 
 Four starts, one after another, each a process of its own on the served default buckets (or --buckets): the
-plain start with an empty compile cache (cold), the same again (warm: the programs the first compiled), then
-`--warm-extraction` with another empty cache, and again warm. Each: the seconds from the process's start until
+start without extraction programs (`--no-warm-extraction`) with an empty compile cache (cold), the same again
+(warm: the programs the first compiled), then the default start (extraction programs too) with another empty
+cache, and again warm. Each: the seconds from the process's start until
 /health says ready, what the server's "ready" log line says of it (seconds loading and compiling), and the
 seconds until no bucket is left compiling in the background (a plain start is ready with its smallest and
 largest). Writes start_time.json, start_time.md and each start's log (the caches go to a temporary folder).
@@ -35,7 +36,7 @@ def main() -> None:
     serve += ["--log-level", "info", *(["--buckets", args.buckets] if args.buckets else [])]
     caches = Path(tempfile.mkdtemp())
     rows = []
-    for flags, cache in (([], "plain"), (["--warm-extraction"], "extraction")):
+    for flags, cache in ((["--no-warm-extraction"], "plain"), ([], "extraction")):
         for state in ("cold", "warm"):
             name = f"{cache}-{state}"
             start = time.perf_counter()

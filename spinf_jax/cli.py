@@ -627,8 +627,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--warm-extraction",
-        action="store_true",
-        help="also compile the extraction programs before reporting ready ({*}, {n}, {$} slots)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile each bucket's extraction programs ({*}, {n}, {$} slots) before it serves (default); "
+        "--no-warm-extraction: a bucket's first request with a slot compiles them",
     )
     p.add_argument(
         "--allow-remote-media",

@@ -397,9 +397,10 @@ def test_random_weights_are_served_at_a_config_shape(tmp_path):
 
 
 def test_warm_extraction_is_asked_of_the_engine_at_start(engine, monkeypatch):
-    """`serve --warm-extraction` (Settings.warm_extraction) reaches Engine.warmup, which test_extraction
-    shows compiles every extraction program, all before the server is ready; without the flag the start
-    compiles score programs only, and those of the middle buckets behind it (test_logs)."""
+    """Settings.warm_extraction (serve's default; `--no-warm-extraction` turns it off) reaches
+    Engine.warmup, which test_extraction shows compiles every extraction program of the buckets ready at
+    start, and of the others before they join; the middle buckets compile behind the start either way
+    (test_logs)."""
     asked = []
 
     def warmup(progress=None, extraction=False, background=False):
@@ -409,7 +410,7 @@ def test_warm_extraction_is_asked_of_the_engine_at_start(engine, monkeypatch):
     for warm in (True, False):
         with TestClient(create_app(Settings(MODEL, warm_extraction=warm, packs={}), engine)) as client:
             assert loaded(client)["status"] == "ok"
-    assert asked == [(True, False), (False, True)]
+    assert asked == [(True, True), (False, True)]
 
 
 def test_a_profile_traces_the_server_while_it_serves(engine, tmp_path):

@@ -54,8 +54,8 @@ def test_serve_starts_with_the_settings_read(serve, tmp_path, monkeypatch):
     assert status == 0
     assert settings.api_keys == ("k-0", "k-1", "k-2")
     assert (settings.max_queue, settings.buckets, settings.served_names) == (8, (256, 1024), ("alias",))
-    assert (settings.max_delay_ms, settings.metrics_auth, settings.warm_extraction) == (2.5, False, False)
-    assert serve("--warm-extraction")[3].warm_extraction
+    assert (settings.max_delay_ms, settings.metrics_auth, settings.warm_extraction) == (2.5, False, True)
+    assert not serve("--no-warm-extraction")[3].warm_extraction
     assert settings.hold_back and not serve("--no-hold-back")[3].hold_back
     assert settings.remote_media_timeout_s is None and not settings.limits().allow_remote_media
     remote = serve("--allow-remote-media", "--remote-media-timeout", "2.5")[3].limits()

@@ -97,9 +97,9 @@ class Server:
             engine = engine or Engine.load(s.model, s.precision, progress, buckets=buckets)
             start = time.perf_counter()
             engine.on_pass = self.metrics.on_pass
-            # Ready once the smallest and largest buckets are compiled, the others joining as they compile:
-            # unless extraction's programs are wanted first, which promises nothing left to compile.
-            engine.warmup(progress, extraction=s.warm_extraction, background=not s.warm_extraction)
+            # Ready once the smallest and largest buckets are compiled (with their extraction programs),
+            # the others joining as they compile.
+            engine.warmup(progress, extraction=s.warm_extraction, background=True)
             self.memory_needed = engine.device_bytes_needed()
             check_fits(self.memory_needed, s.device_memory_cap_gib)
             service = Service.over(engine, packs=s.packs, calibration=s.calibration, limits=s.limits())

@@ -3,6 +3,7 @@
 
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -481,3 +482,19 @@ def test_a_pack_calibrated_at_another_precision_is_warned_of_at_start(
             and "served_at=fp32" in lines[0]
             and "--precision bf16" in lines[0]
         )
+
+
+def test_the_docs_example_decides_as_the_docs_say(gemma_engine):
+    """docs/prompt-packs.md's first request, on the default model, gets the decision its answer shows, with
+    the category that fired first among the scores (the doc's numbers are bf16's, as `serve` runs it; this
+    engine is fp32, where the same rules fire)."""
+    doc = (Path(__file__).parent.parent / "docs" / "prompt-packs.md").read_text()
+    request, answer = re.findall(r"```json\n(.*?)```", doc, re.S)[:2]
+    shown = json.loads("{" + answer.replace(", ...", "") + "}")["packs"][0]
+    got = gemma_engine.score(json.loads(request))["results"][0]["packs"][0]
+    assert got["decision"]["label"] == shown["decision"]["label"] == "block"
+    assert [r["category"] for r in got["decision"]["rules"]] == [
+        r["category"] for r in shown["decision"]["rules"]
+    ]
+    best = max(got["categories"], key=lambda c: c["score"])
+    assert best["id"] == shown["categories"][0]["id"]

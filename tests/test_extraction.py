@@ -253,13 +253,17 @@ def test_numbers_and_amounts_have_values(gemma_engine):
 
 
 def test_warmup_compiles_every_extraction_program():
-    """`warmup(extraction=True)` (`serve --warm-extraction`) compiles what extraction runs, for each bucket:
-    a request with searched and generated slots afterwards compiles nothing, and a second warmup runs
-    nothing. One decode size here, to keep it short; warmup covers each size the same way."""
-    engine = Engine(engines.model("gemma3"), _buckets(2))
+    """`warmup(extraction=True)` (what `serve` does) compiles what extraction runs, for each bucket: those
+    ready at start before it returns, the middle one on the background thread before it joins the
+    buckets. A request with searched and generated slots afterwards compiles nothing, and a second warmup
+    runs nothing. One decode size here, to keep it short; warmup covers each size the same way."""
+    engine = Engine(engines.model("gemma3"), _buckets(1, 2, 3))
     engine.decode_sizes = engine.decode_sizes[:1]
     programs = (engine_module._extract_pass, engine_module._first_candidates, engine_module._decode_step)
-    engine.warmup(extraction=True)
+    behind = engine.warmup(extraction=True, background=True)
+    assert engine._warm_extraction == {engine.buckets.sizes[0], engine.buckets.sizes[-1]}
+    behind.join()
+    assert engine._warm_extraction == set(engine.buckets.sizes) and len(engine.buckets.sizes) == 3
     compiled = [f._cache_size() for f in programs]
     questions = [QuestionKey((5, 6), extract=Extract()), QuestionKey((7,), extract=Extract(generate=True))]
     [scored] = engine.score_trees([build_tree([2], list(range(20, 60)), questions)])

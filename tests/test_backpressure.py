@@ -515,3 +515,62 @@ def test_a_request_past_its_deadline_is_answered_504_and_the_server_goes_on(gemm
         error = response.json()["error"]
         assert error["code"] == "deadline_exceeded" and "0.001 s" in error["message"]
         assert client.get("/health").json()["status"] == "ok"
+
+
+def test_sigterm_closes_keep_alive_connections_cleanly():
+    """On shutdown (SIGTERM, Ctrl-C) a response in flight says `Connection: close`, and a request sent on an
+    idle keep-alive connection just after the signal is answered (with `Connection: close`), not reset; an
+    idle connection is closed once DRAIN_IDLE_S has passed."""
+    release = threading.Event()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/slow":
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = protocol.uvicorn_config(app, "127.0.0.1", port, "warning")
+    config.lifespan = "off"
+    server = protocol.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+    def ask(conn, path: str) -> bytes:
+        conn.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        reply = b""
+        while b"\r\n\r\nok" not in reply and (chunk := conn.recv(4096)):
+            reply += chunk
+        return reply
+
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as idle,
+        socket.create_connection(("127.0.0.1", port), timeout=10) as busy,
+        socket.create_connection(("127.0.0.1", port), timeout=10) as quiet,
+    ):
+        for conn in (idle, busy, quiet):
+            assert b"connection: close" not in ask(conn, "/").lower()  # kept alive before the signal
+        busy.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+        server.should_exit = True  # what SIGTERM sets
+        time.sleep(0.3)
+        late = ask(idle, "/")  # a client's next request, on the connection it kept
+        assert late.startswith(b"HTTP/1.1 200") and b"connection: close" in late.lower()
+        assert idle.recv(16) == b""  # then closed, cleanly
+        release.set()
+        reply = b""
+        while chunk := busy.recv(4096):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" in reply.lower()
+        start = time.monotonic()
+        assert quiet.recv(16) == b""  # the idle one, closed after the drain
+        assert time.monotonic() - start < protocol.DRAIN_IDLE_S + 2
+    thread.join(timeout=30)
+    assert not thread.is_alive()

@@ -27,6 +27,11 @@ from spinf_jax.replicas import REPLICA_VARIABLE, free_port
 HEADER_TIMEOUT_S = 10.0
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
 GRACEFUL_SHUTDOWN_S = 60  # on SIGTERM: requests in flight get this long to be answered
+# On SIGTERM an idle keep-alive connection stays open this long, and a request on it is answered with
+# `Connection: close`: closed at once (uvicorn's way), a client sending its next request on it just then
+# gets a reset connection instead of an answer.
+DRAIN_IDLE_S = 1.0
+CLOSE = (b"connection", b"close")
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -46,6 +51,34 @@ class HeaderTimeoutProtocol(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._header_deadline.cancel()
         super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if getattr(self, "_draining", False):
+            self._answer_with_close()
+
+    def shutdown(self) -> None:
+        """The server is stopping (SIGTERM, Ctrl-C): every response from now on says `Connection: close`
+        (uvicorn closes after the response in flight without saying so, and the client, thinking the
+        connection reusable, may send its next request into the close), and an idle connection is closed
+        after DRAIN_IDLE_S unless a request comes first."""
+        self._draining = True
+        if self.cycle is None or self.cycle.response_complete:
+            self.loop.call_later(DRAIN_IDLE_S, self._close_if_idle)
+        else:
+            self._answer_with_close()
+            self.cycle.keep_alive = False
+
+    def _answer_with_close(self) -> None:
+        # uvicorn adds `Connection: close` to a response whose request asked for it.
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started and CLOSE not in cycle.scope["headers"]:
+            cycle.scope["headers"].append(CLOSE)
+
+    def _close_if_idle(self) -> None:
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self.conn.send(h11.ConnectionClosed())
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (`Content-Length: abc`, a broken request line): the API's envelope,

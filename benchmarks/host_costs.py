@@ -23,9 +23,10 @@ from common import GEMMA3_12B, seed_job, seed_request
 from http_throughput import article_bodies, pack_bodies, seventy_four
 
 from spinf_jax import api
+from spinf_jax.builtin_models import DEFAULT_MODEL
 from spinf_jax.decoding import decode
 from spinf_jax.engine import Engine
-from spinf_jax.loader import DEFAULT_MODEL, random_model
+from spinf_jax.loader import random_model
 from spinf_jax.packer import Buckets, pack
 from spinf_jax.packs.compiled import compile_packs
 from spinf_jax.scoring import Scorer

@@ -463,8 +463,8 @@ def _score_on_replicas(args, source: Path, out: Path, template: dict, kind) -> i
     from tqdm import tqdm
 
     from spinf_jax import bulk, replicas
+    from spinf_jax.builtin_models import DEFAULT_MODEL
     from spinf_jax.client import Client
-    from spinf_jax.loader import DEFAULT_MODEL
     from spinf_jax.server.front import create_front
     from spinf_jax.server.protocol import in_thread
     from spinf_jax.server.settings import Settings
@@ -659,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="check the settings, then exit: 0 if valid, else 2")
     p.set_defaults(run=_serve)
 
-    from spinf_jax.loader import DEFAULT_MODEL
+    from spinf_jax.builtin_models import DEFAULT_MODEL
 
     p = sub.add_parser(
         "score",

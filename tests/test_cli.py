@@ -22,6 +22,21 @@ def test_help_prints_no_format_escapes(command, capsys):
     assert "%%" not in capsys.readouterr().out
 
 
+def test_help_answers_without_importing_jax():
+    """`spinf-jax --help` and every command's: the parser alone, so they answer at once (JAX's import took
+    3.5 s of `--help` on the 2-core machine). A fresh interpreter, as the test session has JAX imported."""
+    code = """
+import contextlib, io, sys
+from spinf_jax import cli
+for command in ([], ["serve"], ["score"], ["calibrate"], ["packs"], ["parity"], ["quantize"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        cli.main([*command, "--help"])
+print("jax" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stdout[-2000:] + done.stderr[-2000:]
+
+
 @pytest.mark.slow  # a subprocess that imports the package
 def test_a_reader_that_leaves_early_gets_no_traceback():
     """`spinf-jax packs schema | head`, the reader gone before the command writes: it ends quietly."""

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spinf_jax.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL
 from spinf_jax.calibration import Calibration, CalibrationError, load_calibration
 from spinf_jax.compiler import Limits
-from spinf_jax.loader import BUILTIN_MODELS, DEFAULT_MODEL, default_row_tile, has_tokenizer_files
+from spinf_jax.loader import default_row_tile, has_tokenizer_files
 from spinf_jax.packer import Buckets
 from spinf_jax.packs.format import PackError
 from spinf_jax.packs.loader import LoadedPack, load_packs

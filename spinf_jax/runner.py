@@ -110,6 +110,7 @@ class Runner:
         self._pending = 0  # requests queued, not yet gathered into a pass
         self._held: list[tuple[Any, Finish, Ticket]] = []  # gathered, left for the next batch (_split)
         self._next_slices: list[tuple[Any, Finish, Ticket]] = []  # large requests' next slices (_Slices)
+        self._slices_put_off = False  # the next slices waited for a launch of what came meanwhile
         self._tokens_left = 0  # tokens of every request accepted and not yet answered
         self._tokens_per_second: float | None = None  # measured over recent passes
         self._device_free = 0.0  # when the device finished the last batch (perf_counter; the waiter's)
@@ -246,9 +247,15 @@ class Runner:
             else:
                 held = self._held
                 batch, running = self._gather(list(held), busy=on_device)
-            # Large requests' next slices go behind what arrived while their last ones ran.
-            batch += self._next_slices
-            self._next_slices = []
+            # Large requests' next slices go behind what arrived while their last ones ran: in a launch of
+            # their own where anything did (whose answers then wait for its own passes, not for a slice's
+            # too), else now. Put off once, they go with the next launch whatever it holds, so that a
+            # stream of small requests cannot starve a large one.
+            if self._next_slices and (not batch or self._slices_put_off):
+                batch += self._next_slices
+                self._next_slices, self._slices_put_off = [], False
+            elif self._next_slices:
+                self._slices_put_off = True
             fresh = batch[len(held) :]
             # A cancelled future is a client that left while queued: its plan is dropped here.
             live, dropped = list(held), 0

@@ -2,6 +2,7 @@
 body is read, abandoned requests dropped before their pass, and shutdown that answers what it accepted."""
 
 import asyncio
+import itertools
 import socket
 import threading
 import time
@@ -440,7 +441,8 @@ def _plan(trees: int, tokens: int = 10):
 
 def test_a_large_request_takes_turns_with_the_small_ones_that_come_meanwhile():
     """A request of 40 trees where a pass holds 50 tokens runs 5 trees a slice; small requests sent while it
-    runs go into the next pass instead of waiting for all of its, and its answer is every tree in order."""
+    runs go into a launch of their own before its next slice, instead of waiting for all of its slices (or
+    for the next one's pass), and its answer is every tree in order."""
     engine = SlowEngine()
     engine.buckets = SimpleNamespace(largest=50)
     runner = Runner(engine, max_queue=64, max_delay=0.0, hold_back=False)
@@ -451,10 +453,29 @@ def test_a_large_request_takes_turns_with_the_small_ones_that_come_meanwhile():
     assert [f.result(timeout=10) for f in small] == [[3]] * 3
     assert large.result(timeout=10) == [10] * 40
     passes = [[t[0] for t in batch] for batch in engine.scored]
-    assert passes[0] == [0, 1, 2, 3, 4] and 99 in passes[1]  # the small ones, beside the second slice
+    assert passes[0] == [0, 1, 2, 3, 4] and passes[1] == [99, 99, 99]  # the small ones, then the next slice
+    assert passes[2] == [5, 6, 7, 8, 9]
     assert sum(len(p) for p in passes) == 43 and all(len([t for t in p if t != 99]) <= 5 for p in passes)
     assert large.queue_s is not None and large.pass_s > 0  # its log line: first wait, all its passes
     assert runner.depth == 0 and runner.retry_after() == 1
+
+
+def test_small_requests_that_keep_coming_do_not_starve_a_large_one():
+    """Small requests arriving all the time: a launch of small ones at most between two slices, so the large
+    request advances a slice every other launch."""
+    engine = SlowEngine()
+    engine.buckets = SimpleNamespace(largest=50)
+    runner = Runner(engine, max_queue=256, max_delay=0.0, hold_back=False)
+    large = runner.submit(_plan(40), lambda plan, scored: scored)
+    engine.gate.set()
+    small = []
+    while not large.done():
+        small.append(runner.submit(SimpleNamespace(trees=[[99] * 3]), lambda plan, scored: scored))
+        time.sleep(0.005)
+    assert large.result(timeout=10) == [10] * 40 and all(f.result(timeout=10) == [3] for f in small)
+    runner.close()
+    slices = [i for i, batch in enumerate(engine.scored) if any(t[0] != 99 for t in batch)]
+    assert len(slices) == 8 and all(b - a <= 2 for a, b in itertools.pairwise(slices))
 
 
 def test_a_large_request_whose_client_leaves_stops_between_slices():

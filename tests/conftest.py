@@ -1,5 +1,6 @@
 import collections
 import os
+import resource
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,31 @@ def _schedule_by_file(items) -> None:
 
     count = collections.Counter(map(file, items))
     items.sort(key=lambda item: (count[file(item)] > 2, -count[file(item)], file(item)))
+
+
+# Each worker's peak memory, said at the end of the run (CI's log then tells whether a run came near the
+# machine's memory): a worker sends its own in `workeroutput`, the controller prints them.
+PEAKS: dict[str, tuple[float, float]] = {}
+
+
+def _peak_mib(who: int) -> float:
+    return resource.getrusage(who).ru_maxrss / 1024  # KiB on Linux
+
+
+def pytest_sessionfinish(session):
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["peak_rss_mib"] = (_peak_mib(resource.RUSAGE_SELF), _peak_mib(resource.RUSAGE_CHILDREN))
+
+
+def pytest_testnodedown(node, error):
+    if "peak_rss_mib" in getattr(node, "workeroutput", {}):
+        PEAKS[node.gateway.id] = node.workeroutput["peak_rss_mib"]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not PEAKS:
+        PEAKS["main"] = (_peak_mib(resource.RUSAGE_SELF), _peak_mib(resource.RUSAGE_CHILDREN))
+    for who, (own, child) in sorted(PEAKS.items()):
+        line = f"peak RSS {who}: {own:,.0f} MiB; its largest child process {child:,.0f} MiB"
+        terminalreporter.write_line(line)

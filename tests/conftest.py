@@ -60,7 +60,20 @@ def pytest_collection_modifyitems(config, items):
     if twice:
         config.hook.pytest_deselected(items=twice)
         items[:] = [item for item in items if item not in twice]
+    _leave_out_the_full_tier(config, items)
     _schedule_by_file(items)
+
+
+def _leave_out_the_full_tier(config, items) -> None:
+    """Tests marked `full` (the other precisions of the real models, the whole fuzz, ...) run only where the
+    `-m` expression names that tier (`pytest -m full`, the release checklist): CI's `pytest` and the fast
+    tier's `-m "not slow"` leave them out without saying so."""
+    if "full" in (config.option.markexpr or ""):
+        return
+    full = [item for item in items if item.get_closest_marker("full")]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if item not in full]
 
 
 def _schedule_by_file(items) -> None:

@@ -37,9 +37,9 @@ def engine(gemma_engine):
     return gemma_engine
 
 
-# bf16 on the real model in the slow tier: its own programs to compile; test_layout checks bf16 invariance
-# on the tiny fixtures in the fast tier.
-@pytest.fixture(scope="module", params=["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
+# bf16 on the real model in the full tier (`pytest -m full`): its own programs to compile, 44 s of CI's time;
+# test_layout checks bf16 invariance on the tiny fixtures in every run.
+@pytest.fixture(scope="module", params=["fp32", pytest.param("bf16", marks=pytest.mark.full)])
 def engine_in(request):
     return engines.engine("spinf/gemma-3-270m", request.param)
 

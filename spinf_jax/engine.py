@@ -316,7 +316,8 @@ class Engine:
         # (bucket size, whether its passes hold images) → its compiled pass
         self._programs: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._warm: dict[int, float] = {}  # bucket size: seconds of its pass, once warmup has run it
-        self._warm_extraction: set[int] = set()  # bucket sizes whose extraction programs have run
+        # (bucket size, whether at the smallest decode size alone) whose extraction programs have run
+        self._warm_extraction: set[tuple[int, bool]] = set()
         # Extraction: a pass that also hands back its keys and values, then fixed-shape decode steps of
         # [G × W] rows in buckets of decode_sizes rows (spinf_jax.extraction).
         self.decode_tile, self.decode_sizes = decode_shapes()
@@ -360,11 +361,13 @@ class Engine:
         measured ones (a pass's time grows with its rows). A size added so makes its first run in a served
         pass. Requests get the same bits either way: only which passes they share changes.
 
-        With extraction (the server's default), also every program extraction runs: each bucket's pass that
-        returns keys and values, and the first candidates and decode steps at every decode size, for
-        searched and generated slots; a bucket compiled in the background joins `buckets` once its
-        extraction programs have run too, so no request waits for a compile. Without it the first request
-        with a slot in a bucket compiles them (13.5 s for the default model's on a 2-core CPU)."""
+        With extraction, also every program extraction runs: each bucket's pass that returns keys and values,
+        and the first candidates and decode steps at every decode size, for searched and generated slots.
+        With background too (the server's default), only what a small request's slots run before this
+        returns (the smallest bucket's, at the smallest decode size of each width: 13.5 s on the 2-core CPU
+        for the default model, against 50 s a bucket for all of them); the rest on the thread, the buckets
+        ready now first, then each other bucket before it joins `buckets`. Without extraction the first
+        request with a slot in a bucket compiles what it runs."""
         sizes = self._configured.sizes
         compiled = {size for size, media in self._programs if not media}
         ends = (sizes[0], sizes[-1])
@@ -377,21 +380,23 @@ class Engine:
                 step(bucket=size, seconds=round(time.perf_counter() - start, 2), pass_seconds=round(timed, 4))
         self.buckets = self._packing(now)
         if extraction:
-            self._warm_extraction_programs(progress, now)
+            self._warm_extraction_programs(progress, sizes[:1] if background else now, first_steps=background)
         self.compiling = tuple(s for s in sizes if s not in now)
-        if not self.compiling:
+        if not self.compiling and not (extraction and background):
             return None
-        args = (progress, extraction)
+        args = (progress, extraction, now)
         thread = threading.Thread(target=self._compile_rest, args=args, name="spinf-compile")
         thread.daemon = True  # a server stopping mid-compile does not wait for it
         thread.start()
         return thread
 
-    def _compile_rest(self, progress: Progress | None, extraction: bool) -> None:
-        """warmup's background half: compile each size in `compiling` (and run its extraction programs, with
-        extraction), then pack into it too. A size that fails to compile (the device short of memory for
-        autotuning beside the passes served meanwhile) is left out, with an error line: the sizes served
-        already hold every request."""
+    def _compile_rest(self, progress: Progress | None, extraction: bool, ready: tuple[int, ...]) -> None:
+        """warmup's background half: with extraction, the extraction programs of the `ready` buckets; then
+        compile each size in `compiling` (and run its extraction programs, with extraction), then pack into
+        it too. A size that fails to compile (the device short of memory for autotuning beside the passes
+        served meanwhile) is left out, with an error line: the sizes served already hold every request."""
+        if extraction:
+            self._warm_extraction_programs(None, ready)
         with Steps(progress, "compile_background", len(self.compiling), "program") as step:
             for size in self.compiling:
                 start = time.perf_counter()
@@ -422,26 +427,30 @@ class Engine:
         costs = [float(np.interp(size, rows, seconds)) for size in sizes]
         return self._configured.with_sizes(sizes).measured(costs)
 
-    def _warm_extraction_programs(self, progress: Progress | None, sizes: tuple[int, ...]) -> None:
-        """warmup's extraction half, for these bucket sizes."""
-        cold = [size for size in sizes if size not in self._warm_extraction]
+    def _warm_extraction_programs(
+        self, progress: Progress | None, sizes: tuple[int, ...], first_steps: bool = False
+    ) -> None:
+        """warmup's extraction half, for these bucket sizes: every decode size, or the smallest alone."""
+        done = self._warm_extraction
+        cold = [size for size in sizes if (size, False) not in done and (size, first_steps) not in done]
         with Steps(progress, "compile_extraction", len(cold), "bucket") as step:
             for size in cold:
                 start = time.perf_counter()
-                for tree in self._extraction_warmup_trees():
+                for tree in self._extraction_warmup_trees(first_steps):
                     [p] = pack([tree], self._bucket(size))
                     self._extract_and_decode(p, Launched([tree], [None]))
-                self._warm_extraction.add(size)
+                done.add((size, first_steps))
                 step(bucket=size, seconds=round(time.perf_counter() - start, 2))
 
-    def _extraction_warmup_trees(self) -> list[Tree]:
-        """One tree per decode size, on empty content: enough two-token slots of each width (searched and
-        generated) that their rows need that size, so decoding them compiles its programs. Where a pass holds
-        fewer slots than that (a recurrent model's: Buckets.max_slots), no request decodes that many rows of
-        that width at once, and the tree leaves them out."""
+    def _extraction_warmup_trees(self, first_steps: bool = False) -> list[Tree]:
+        """One tree per decode size (the smallest alone, with first_steps), on empty content: enough
+        two-token slots of each width (searched and generated) that their rows need that size, so decoding
+        them compiles its programs. Where a pass holds fewer slots than that (a recurrent model's:
+        Buckets.max_slots), no request decodes that many rows of that width at once, and the tree leaves
+        them out."""
         trees, most = [], self.buckets.max_exports(self.buckets.largest) or math.inf
         searched_sizes, generated_sizes = self.step_sizes(SEARCH_WIDTH), self.step_sizes(1)
-        for i in range(max(len(searched_sizes), len(generated_sizes))):
+        for i in range(1 if first_steps else max(len(searched_sizes), len(generated_sizes))):
             # the fewest rows that take each width's i-th size (none where that width has fewer sizes)
             rows = [(0, *s)[i] + 1 if i < len(s) else 0 for s in (searched_sizes, generated_sizes)]
             searched, generated = -(-rows[0] // SEARCH_WIDTH), rows[1]

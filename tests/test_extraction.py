@@ -254,22 +254,32 @@ def test_numbers_and_amounts_have_values(gemma_engine):
     assert all(isinstance(a["value"], float) for a in people["answers"] + people["floor_answers"])
 
 
-def test_warmup_compiles_every_extraction_program():
-    """`warmup(extraction=True)` (what `serve` does) compiles what extraction runs, for each bucket: those
-    ready at start before it returns, the middle one on the background thread before it joins the
-    buckets. A request with searched and generated slots afterwards compiles nothing, and a second warmup
-    runs nothing. One decode size here, to keep it short; warmup covers each size the same way."""
+def test_warmup_compiles_every_extraction_program(monkeypatch):
+    """`warmup(extraction=True, background=True)` (what `serve` does) compiles what extraction runs, for
+    each bucket: a small request's (the smallest bucket's first decode steps) before it returns, the rest
+    on the background thread, a middle bucket's before it joins the buckets. A request with searched and
+    generated slots compiles nothing then, nor a large one once the thread is done, and a second warmup
+    runs nothing. Two decode sizes here, to keep it short; warmup covers each size the same way."""
     engine = Engine(engines.model("gemma3"), _buckets(1, 2, 3))
-    engine.decode_sizes = engine.decode_sizes[:1]
+    engine.decode_sizes = engine.decode_sizes[:2]
     programs = (engine_module._extract_pass, engine_module._first_candidates, engine_module._decode_step)
-    behind = engine.warmup(extraction=True, background=True)
-    assert engine._warm_extraction == {engine.buckets.sizes[0], engine.buckets.sizes[-1]}
-    behind.join()
-    assert engine._warm_extraction == set(engine.buckets.sizes) and len(engine.buckets.sizes) == 3
+    behind = []  # the background half, run here once the small request is checked
+    monkeypatch.setattr(engine, "_compile_rest", lambda *args: behind.append(args))
+    engine.warmup(extraction=True, background=True)
+    monkeypatch.undo()
+    assert engine._warm_extraction == {(engine.buckets.sizes[0], True)}
     compiled = [f._cache_size() for f in programs]
     questions = [QuestionKey((5, 6), extract=Extract()), QuestionKey((7,), extract=Extract(generate=True))]
     [scored] = engine.score_trees([build_tree([2], list(range(20, 60)), questions)])
     assert len(scored.answers[0]) > 1 and len(scored.answers[1]) == 1  # searched, generated
+    assert [f._cache_size() for f in programs] == compiled
+    engine._compile_rest(*behind[0])
+    sizes = engine.buckets.sizes
+    assert len(sizes) == 3 and {(size, False) for size in sizes} <= engine._warm_extraction
+    compiled = [f._cache_size() for f in programs]
+    many = [QuestionKey((5, 6 + i), extract=Extract()) for i in range(8)]  # rows past the first decode size
+    many += [QuestionKey((7 + i,), extract=Extract(generate=True)) for i in range(20)]
+    engine.score_trees([build_tree([2], list(range(20, 60)), many)])
     assert [f._cache_size() for f in programs] == compiled
     engine._extract_and_decode = lambda *_: pytest.fail("warmed buckets are not run again")
     engine.warmup(extraction=True)

@@ -9,13 +9,13 @@ from pathlib import Path
 import httpx
 
 
-def start_server(serve_args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(serve_args: list[str], log: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "spinf_jax.cli", "serve", "--port", str(port), *serve_args]
     with log.open("w") as out:  # the child keeps its own copy of the descriptor
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     return process, f"http://127.0.0.1:{port}"
 
 

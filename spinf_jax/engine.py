@@ -364,10 +364,10 @@ class Engine:
         With extraction, also every program extraction runs: each bucket's pass that returns keys and values,
         and the first candidates and decode steps at every decode size, for searched and generated slots.
         With background too (the server's default), only what a small request's slots run before this
-        returns (the smallest bucket's, at the smallest decode size of each width: 13.5 s on the 2-core CPU
-        for the default model, against 50 s a bucket for all of them); the rest on the thread, the buckets
-        ready now first, then each other bucket before it joins `buckets`. Without extraction the first
-        request with a slot in a bucket compiles what it runs."""
+        returns (the smallest bucket's, at the smallest decode size of each width: 16 s on the 2-core CPU
+        for the default model, against ~50 s a bucket for all of them); the rest on the thread, after the
+        other buckets' passes (those join `buckets` at once: packing wants them more). Without extraction,
+        or before the thread gets to it, the first request with a slot in a bucket compiles what it runs."""
         sizes = self._configured.sizes
         compiled = {size for size, media in self._programs if not media}
         ends = (sizes[0], sizes[-1])
@@ -391,19 +391,15 @@ class Engine:
         return thread
 
     def _compile_rest(self, progress: Progress | None, extraction: bool, ready: tuple[int, ...]) -> None:
-        """warmup's background half: with extraction, the extraction programs of the `ready` buckets; then
-        compile each size in `compiling` (and run its extraction programs, with extraction), then pack into
-        it too. A size that fails to compile (the device short of memory for autotuning beside the passes
-        served meanwhile) is left out, with an error line: the sizes served already hold every request."""
-        if extraction:
-            self._warm_extraction_programs(None, ready)
+        """warmup's background half: compile each size in `compiling`, then pack into it too; then, with
+        extraction, every bucket's extraction programs. A size that fails to compile (the device short of
+        memory for autotuning beside the passes served meanwhile) is left out, with an error line: the sizes
+        served already hold every request."""
         with Steps(progress, "compile_background", len(self.compiling), "program") as step:
             for size in self.compiling:
                 start = time.perf_counter()
                 try:
                     self.program(size)
-                    if extraction:
-                        self._warm_extraction_programs(None, (size,))
                 except Exception as exc:  # noqa: BLE001 - the server serves on without this size
                     log(
                         PROGRESS,
@@ -417,6 +413,8 @@ class Engine:
                 finally:
                     self.compiling = tuple(s for s in self.compiling if s != size)
                 step(bucket=size, seconds=round(time.perf_counter() - start, 2))
+        if extraction:
+            self._warm_extraction_programs(None, tuple(dict.fromkeys((*ready, *self.buckets.sizes))))
 
     def _packing(self, sizes: tuple[int, ...]) -> Buckets:
         """The configured buckets cut to `sizes`, each costed by its measured pass time or, where none was

@@ -257,7 +257,7 @@ def test_numbers_and_amounts_have_values(gemma_engine):
 def test_warmup_compiles_every_extraction_program(monkeypatch):
     """`warmup(extraction=True, background=True)` (what `serve` does) compiles what extraction runs, for
     each bucket: a small request's (the smallest bucket's first decode steps) before it returns, the rest
-    on the background thread, a middle bucket's before it joins the buckets. A request with searched and
+    on the background thread once the middle bucket has joined. A request with searched and
     generated slots compiles nothing then, nor a large one once the thread is done, and a second warmup
     runs nothing. Two decode sizes here, to keep it short; warmup covers each size the same way."""
     engine = Engine(engines.model("gemma3"), _buckets(1, 2, 3))

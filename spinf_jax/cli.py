@@ -629,8 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         "--warm-extraction",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="compile each bucket's extraction programs ({*}, {n}, {$} slots) before it serves (default); "
-        "--no-warm-extraction: a bucket's first request with a slot compiles them",
+        help="compile what a small request's {*}, {n}, {$} slots run before reporting ready (default); "
+        "--no-warm-extraction: the first request with a slot compiles it",
     )
     p.add_argument(
         "--allow-remote-media",

@@ -363,11 +363,12 @@ class Engine:
 
         With extraction, also every program extraction runs: each bucket's pass that returns keys and values,
         and the first candidates and decode steps at every decode size, for searched and generated slots.
-        With background too (the server's default), only what a small request's slots run before this
-        returns (the smallest bucket's, at the smallest decode size of each width: 16 s on the 2-core CPU
-        for the default model, against ~50 s a bucket for all of them); the rest on the thread, after the
-        other buckets' passes (those join `buckets` at once: packing wants them more). Without extraction,
-        or before the thread gets to it, the first request with a slot in a bucket compiles what it runs."""
+        With background too (the server's default), only what a small request's slots run (the smallest
+        bucket's, at the smallest decode size of each width: 16 s on the 2-core CPU for the default model,
+        against ~50 s a bucket for all of them); the first request that needs any other compiles it. Not on
+        the background thread: these programs must run to compile, and a program run there beside the
+        served passes aborted the process (XLA on the CPU, 2026-12-07); the device thread is the one that
+        runs programs."""
         sizes = self._configured.sizes
         compiled = {size for size, media in self._programs if not media}
         ends = (sizes[0], sizes[-1])
@@ -382,19 +383,17 @@ class Engine:
         if extraction:
             self._warm_extraction_programs(progress, sizes[:1] if background else now, first_steps=background)
         self.compiling = tuple(s for s in sizes if s not in now)
-        if not self.compiling and not (extraction and background):
+        if not self.compiling:
             return None
-        args = (progress, extraction, now)
-        thread = threading.Thread(target=self._compile_rest, args=args, name="spinf-compile")
+        thread = threading.Thread(target=self._compile_rest, args=(progress,), name="spinf-compile")
         thread.daemon = True  # a server stopping mid-compile does not wait for it
         thread.start()
         return thread
 
-    def _compile_rest(self, progress: Progress | None, extraction: bool, ready: tuple[int, ...]) -> None:
-        """warmup's background half: compile each size in `compiling`, then pack into it too; then, with
-        extraction, every bucket's extraction programs. A size that fails to compile (the device short of
-        memory for autotuning beside the passes served meanwhile) is left out, with an error line: the sizes
-        served already hold every request."""
+    def _compile_rest(self, progress: Progress | None) -> None:
+        """warmup's background half: compile each size in `compiling`, then pack into it too. A size that
+        fails to compile (the device short of memory for autotuning beside the passes served meanwhile) is
+        left out, with an error line: the sizes served already hold every request."""
         with Steps(progress, "compile_background", len(self.compiling), "program") as step:
             for size in self.compiling:
                 start = time.perf_counter()
@@ -413,8 +412,6 @@ class Engine:
                 finally:
                     self.compiling = tuple(s for s in self.compiling if s != size)
                 step(bucket=size, seconds=round(time.perf_counter() - start, 2))
-        if extraction:
-            self._warm_extraction_programs(None, tuple(dict.fromkeys((*ready, *self.buckets.sizes))))
 
     def _packing(self, sizes: tuple[int, ...]) -> Buckets:
         """The configured buckets cut to `sizes`, each costed by its measured pass time or, where none was

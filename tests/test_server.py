@@ -398,9 +398,8 @@ def test_random_weights_are_served_at_a_config_shape(tmp_path):
 
 def test_warm_extraction_is_asked_of_the_engine_at_start(engine, monkeypatch):
     """Settings.warm_extraction (serve's default; `--no-warm-extraction` turns it off) reaches
-    Engine.warmup, which test_extraction shows compiles every extraction program of the buckets ready at
-    start, and of the others before they join; the middle buckets compile behind the start either way
-    (test_logs)."""
+    Engine.warmup, which test_extraction shows compiles what a small request's slots run; the middle
+    buckets compile behind the start either way (test_logs)."""
     asked = []
 
     def warmup(progress=None, extraction=False, background=False):

@@ -60,9 +60,8 @@ class Settings:
     # A transformers config.json: serve made-up weights at its shape with the model's tokenizer (for
     # benchmarks; loader.random_model). None: the model's own weights.
     random_weights: Path | None = None
-    # Compile each bucket's extraction programs before it serves (Engine.warmup): at start for the buckets
-    # ready then, in the background for the others. False: a bucket's first request with a {*}, {n} or {$}
-    # slot compiles them, and waits for that.
+    # Compile what a small request's {*}, {n} or {$} slots run before ready (Engine.warmup); any other
+    # extraction program compiles on the first request that needs it. False: that for all of them.
     warm_extraction: bool = True
     # Fetch https:// image URLs within this many seconds each (--allow-remote-media); None: refuse them.
     remote_media_timeout_s: float | None = None

@@ -116,17 +116,3 @@ def pytest_terminal_summary(terminalreporter):
     for who, (own, child) in sorted(PEAKS.items()):
         line = f"peak RSS {who}: {own:,.0f} MiB; its largest child process {child:,.0f} MiB"
         terminalreporter.write_line(line)
-
-
-CRASHES: collections.Counter = collections.Counter()
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_handlecrashitem(crashitem, report, sched):
-    """A test whose worker died under it: xdist's loadfile scheduler puts the rest of that file back in the
-    queue, the crashed test with it, so it runs again in a fresh worker; but pytest-rerunfailures cannot say
-    so (that scheduler cannot be asked to reschedule one test) and reports the crash as a failure. A test's
-    first crash is reported as the rerun it is; a second one fails the run."""
-    CRASHES[crashitem] += 1
-    if CRASHES[crashitem] == 1 and report.outcome == "failed":
-        report.outcome = "rerun"

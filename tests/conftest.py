@@ -8,15 +8,23 @@ import pytest
 # Tests run on the CPU with f32 matmuls at full precision, whatever machine they are on.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# One persistent compile cache for the session and the processes it starts: every engine of the same model,
-# precision and buckets compiles the same programs, so each program is compiled once and then read from disk
-# (JAX keys an entry by the program, the compile options and the versions). Under the checkout, so a fresh
-# clone starts cold, as CI does, and a developer's later runs start warm.
+# One persistent compile cache for the servers the session starts as processes of their own: they compile the
+# same programs, so each is compiled once and then read from disk (JAX keys an entry by the program, the
+# compile options and the versions). Under the checkout, so a fresh clone starts cold, as CI does. The test
+# workers themselves keep no persistent cache (pytest_configure): writing one, XLA aborted a worker inside
+# executable.serialize() in two of three clean runs on 2026-12-07, and pytest-xdist then hung with both
+# workers idle until CI's limit (a crashed worker replaced under --dist loadfile).
 COMPILE_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "jax"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(COMPILE_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import tests.profiles  # noqa: E402, F401 - the Hypothesis profiles, before any test module is read
+
+
+def pytest_configure(config):
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture(scope="session")

@@ -56,19 +56,23 @@ def default_url(gemma_engine):
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected what it deselects
 def pytest_collection_modifyitems(config, items):
-    """A docs file's first example is run by test_the_examples_run too (every example of the file, the slow
-    tier): where both are selected, the fast tier's copy is dropped rather than run twice."""
-    everything = {item.name for item in items if item.originalname == "test_the_examples_run"}
+    """A docs file's first example is run again where every example of the file runs (in process or in a
+    fresh shell, tests/test_docs.py): where both are selected, the fast tier's copy is dropped rather than run
+    twice."""
+    _leave_out_the_full_tier(config, items)
+    everything = {
+        item.name.split("[", 1)[1]
+        for item in items
+        if item.originalname in ("test_the_examples_run", "test_the_examples_run_in_a_fresh_shell")
+    }
     twice = [
         item
         for item in items
-        if item.originalname == "test_the_first_example_runs"
-        and item.name.replace("test_the_first_example_runs", "test_the_examples_run") in everything
+        if item.originalname == "test_the_first_example_runs" and item.name.split("[", 1)[1] in everything
     ]
     if twice:
         config.hook.pytest_deselected(items=twice)
         items[:] = [item for item in items if item not in twice]
-    _leave_out_the_full_tier(config, items)
     _schedule_by_file(items)
 
 

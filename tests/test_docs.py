@@ -1,22 +1,30 @@
 """Every example in the docs runs, so none rots: README.md, docs/**/*.md and skills/**/SKILL.md.
 
-Each file's blocks run in order, in one temporary folder, against one test server on the default model
-(Gemma 3 270M, fp32, the official packs loaded):
-- ```python blocks are executed in one namespace per file, with the server's URL for localhost:8000;
-- ```sh / ```bash blocks are read a command at a time: `curl` is sent with httpx and must answer 2xx,
-  `cat > FILE <<'EOF'` writes the file, `mkdir -p DIR` makes the folder, `export K=V` sets the variable,
-  `uv run spinf-jax ...` (how a reader runs it from a checkout; a bare `spinf-jax` fails the test, as a
-  shell outside the venv would) runs in process (`serve` with `--check`, which validates every flag and
-  file without loading), and the few commands that need a machine of their own (docker, installers) are
-  listed in NOT_RUN. Any other command fails the test.
-The fast tier runs each file's first example; the slow tier (CI) every example of each file, and then the
-fast tier's copy is deselected (tests/conftest.py).
-`Engine.load` of the two built-in models hands back the session's engines (fp32 whatever precision is asked),
-so an example that loads a model costs no second load.
+Each file's blocks run in order against one test server on the default model (Gemma 3 270M, fp32, the
+official packs loaded), its URL for localhost:8000 / 127.0.0.1:8000, in one temporary folder. Two runners:
+- **a fresh shell**, the way a reader runs them (README: from the checkout, through `uv run`): every command
+  as written in its own `bash -c`, with no virtual environment on PATH (so a bare `spinf-jax` is `command not
+  found`, as for a reader), `UV_PROJECT` naming the checkout, curl failing on an error status (a curlrc with
+  `fail-with-body`), `export` carried to the next commands, `serve` given `--check` (it validates every flag
+  and file without loading, then exits), and the file's ```python blocks executed in order by one `uv run
+  python` process, as one program saved to a file would be (tests/docs_python.py);
+- **in process**, cheap where an example loads a model: ```python blocks executed in one namespace,
+  ```sh / ```bash blocks read a command at a time (`curl` sent with httpx and answering 2xx, heredocs
+  written, `uv run spinf-jax ...` run through cli.main), with `Engine.load` of the two built-in models handing
+  back the session's engines, so no example costs a second load.
+Commands that need a machine of their own (docker, installers, git) are listed in NOT_RUN; any other command
+the in-process runner does not know fails the test.
+The fast tier runs each file's first example in process. CI (the slow tier) runs every example of a file in a
+fresh shell where none loads a model (tests/conftest.py then drops the fast tier's copy), and in process where
+one does; the full tier runs those in a fresh shell too.
 """
 
+import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -99,12 +107,10 @@ def run_command(command: str, url: str, setenv=None) -> None:
     if heredoc := HEREDOC.fullmatch(command):
         Path(heredoc.group(1)).write_text(heredoc.group(3))
         return
-    argv = shlex.split(command.replace("\\\n", ""))  # a shell drops a backslash-newline
-    assert argv[0] != "spinf-jax", (
+    assert not command.startswith("spinf-jax"), (
         f"a command from a checkout runs as `uv run spinf-jax ...` (README): {command}"
     )
-    if argv[:2] == ["uv", "run"]:  # how the docs run commands from a checkout: the command after uv's options
-        argv = _after_uv_options(argv[2:])
+    argv = program(command)
     if argv[0] == "export":
         name, value = argv[1].split("=", 1)
         setenv(name, LOCAL.sub(url, value))
@@ -148,8 +154,39 @@ def engines(gemma_engine, smollm_engine, monkeypatch):
     monkeypatch.setattr(Engine, "load", classmethod(cached))
 
 
+def loads_a_model(path: Path) -> bool:
+    """Whether a file's examples load a model in the reader's process: Python that builds an Engine, or a
+    command that scores (without --url) or calibrates there."""
+    for lang, code in blocks(path):
+        if lang == "python":
+            if "Engine" in code:
+                return True
+            continue
+        for argv in map(program, commands(code)):
+            if argv[0] == "spinf-jax" and (
+                (argv[1] == "score" and "--url" not in argv) or "calibrate" in argv[1:3]
+            ):
+                return True
+    return False
+
+
+def program(command: str) -> list[str]:
+    """The argv of the program a command runs (`uv run`'s own options dropped; a heredoc is `cat`)."""
+    if HEREDOC.fullmatch(command):
+        return ["cat"]
+    argv = shlex.split(command.replace("\\\n", ""))  # a shell drops a backslash-newline
+    return _after_uv_options(argv[2:]) if argv[:2] == ["uv", "run"] else argv
+
+
 RUNNABLE = [p for p in DOCS if blocks(p)]
 BY_PATH = {"argvalues": RUNNABLE, "ids": lambda p: str(p.relative_to(REPO))}
+IN_A_FRESH_SHELL = {
+    "argvalues": [
+        pytest.param(p, marks=pytest.mark.full if loads_a_model(p) else pytest.mark.slow) for p in RUNNABLE
+    ],
+    "ids": BY_PATH["ids"],
+}
+IN_PROCESS = {"argvalues": [p for p in RUNNABLE if loads_a_model(p)], "ids": BY_PATH["ids"]}
 
 
 def run_blocks(path: Path, count: int | None, url: str, monkeypatch, tmp_path: Path) -> None:
@@ -173,10 +210,84 @@ def test_the_first_example_runs(path, default_url, engines, tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", **BY_PATH)
+@pytest.mark.parametrize("path", **IN_PROCESS)
 def test_the_examples_run(path, default_url, engines, tmp_path, monkeypatch):
-    """Every example of the file, in order (the first again: the later ones may build on it)."""
+    """Every example of a file that loads a model, in order, in process (the first again: the later ones may
+    build on it)."""
     run_blocks(path, None, default_url, monkeypatch, tmp_path)
+
+
+SHELL_LOCAL = re.compile(r"(https?://)?(?:localhost|127\.0\.0\.1):8000")
+
+
+@pytest.fixture(scope="module")
+def reader_env(tmp_path_factory) -> dict[str, str]:
+    """A reader's shell in the checkout: no virtual environment on PATH, uv on it, curl failing on errors."""
+    uv = os.environ.get("UV") or shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not installed here")
+    venv = str(REPO / ".venv")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    env = {k: v for k, v in env.items() if not k.startswith("SPINF_")}
+    paths = [p for p in env.get("PATH", "").split(os.pathsep) if p and not p.startswith(venv)]
+    curlrc = tmp_path_factory.mktemp("curl")
+    (curlrc / ".curlrc").write_text("fail-with-body\nshow-error\n")
+    env |= {"PATH": os.pathsep.join([str(Path(uv).parent), *paths]), "UV_PROJECT": str(REPO),
+            "CURL_HOME": str(curlrc)}  # fmt: skip
+    bare = subprocess.run(
+        ["bash", "-c", "command -v spinf-jax || true"], env=env, capture_output=True, text=True
+    )
+    assert not bare.stdout.startswith(venv), "the reader's shell must not see the test's venv"
+    return env
+
+
+def run_in_a_fresh_shell(path: Path, url: str, env: dict[str, str], folder: Path) -> None:
+    """Every example of `path` as a reader runs it (the module's docstring), in `folder`."""
+    hostport = url.split("://", 1)[1]
+    env = {**env, "SPINF_BASE_URL": url}
+    python = None
+    try:
+        for lang, code in blocks(path):
+            if lang == "python":
+                if python is None:
+                    python = subprocess.Popen(
+                        ["uv", "run", "python", str(REPO / "tests" / "docs_python.py")], cwd=folder, env=env,
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                    )  # fmt: skip
+                python.stdin.write(json.dumps({"code": LOCAL.sub(url, code), "path": str(path)}) + "\n")
+                python.stdin.flush()
+                reply = python.stdout.readline()
+                assert reply, f"{path.name}: the example's Python process ended"
+                error = json.loads(reply)["error"]
+                assert error is None, f"{path.name}:\n{code}\n→ {error}"
+                continue
+            for command in commands(code):
+                argv = program(command)
+                if argv[0] in NOT_RUN and not command.startswith("uv run"):
+                    continue
+                if argv[0] == "export":  # the reader's shell keeps it for the next commands
+                    name, value = argv[1].split("=", 1)
+                    env[name] = LOCAL.sub(url, value)
+                    continue
+                shell = SHELL_LOCAL.sub(lambda m: (m.group(1) or "") + hostport, command)
+                if argv[:2] == ["spinf-jax", "serve"]:
+                    shell += " --check"
+                done = subprocess.run(
+                    ["bash", "-c", shell], cwd=folder, env=env, capture_output=True, text=True, timeout=600
+                )
+                said = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+                assert done.returncode == 0, f"{path.name}: {command}\n→ exit {done.returncode}\n{said}"
+    finally:
+        if python is not None:
+            python.stdin.close()
+            python.wait(timeout=60)
+
+
+@pytest.mark.parametrize("path", **IN_A_FRESH_SHELL)
+def test_the_examples_run_in_a_fresh_shell(path, default_url, reader_env, tmp_path):
+    """Every example of the file, in order, as a reader's shell runs it (the slow tier where the file's
+    examples load no model, the full tier where they do)."""
+    run_in_a_fresh_shell(path, default_url, reader_env, tmp_path)
 
 
 def test_the_runner_reads_commands_as_a_shell_would():
@@ -214,30 +325,17 @@ def test_the_runner_joins_continued_lines_and_makes_folders(tmp_path, monkeypatc
     )
 
 
-@pytest.mark.slow  # subprocesses through uv, each importing the package
-def test_a_fresh_shell_in_the_checkout_runs_what_the_docs_write():
-    """The way the docs run things from a checkout works in a shell outside the test's venv: `uv run
-    spinf-jax ...` finds the command, `uv run python` imports the package (a bare `spinf-jax` there is
-    `command not found`, which the docs therefore never write)."""
-    import os
-    import shutil
-    import subprocess
-
-    uv = os.environ.get("UV") or shutil.which("uv")
-    if uv is None:
-        pytest.skip("uv is not installed here")
-    venv = str(REPO / ".venv")
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-    paths = [p for p in env.get("PATH", "").split(os.pathsep) if p and not p.startswith(venv)]
-    env["PATH"] = os.pathsep.join([str(Path(uv).parent), *paths])
-
-    def shell(command: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=600)  # fmt: skip
-
-    bare = shell("command -v spinf-jax || echo none")
-    assert bare.stdout.strip() == "none" or not bare.stdout.startswith(venv)
-    version = shell("uv run --extra server --extra models spinf-jax --version")
-    assert version.returncode == 0 and version.stdout.startswith("spinf-jax "), version.stderr[-2000:]
-    client = shell("uv run python -c 'import spinf_jax.client, sys; print(\"jax\" in sys.modules)'")
-    assert client.returncode == 0, client.stderr[-2000:]
+@pytest.mark.slow  # a uv run each
+@pytest.mark.parametrize(
+    ("example", "said"),
+    [
+        ("```sh\ncurl -s localhost:8000/v1/nothing\n```", "404"),  # curl fails on an error status
+        ("```sh\nspinf-jax --version\n```", "command not found"),  # a reader's shell has no venv
+        ("```python\nraise ValueError('wrong')\n```", "ValueError: wrong"),
+    ],
+)
+def test_a_fresh_shell_fails_where_a_reader_would(example, said, default_url, reader_env, tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# A doc\n\n{example}\n")
+    with pytest.raises(AssertionError, match=said):
+        run_in_a_fresh_shell(doc, default_url, reader_env, tmp_path)

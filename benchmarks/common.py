@@ -9,6 +9,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -18,9 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from spinf_jax.engine import Engine
+from spinf_jax.loader import random_model
 from spinf_jax.models.moe import Experts
 from spinf_jax.models.params import Kind, params, per_source
-from spinf_jax.packer import default_sizes
+from spinf_jax.packer import Buckets, default_sizes, pack
+from spinf_jax.scoring import Scorer
 from spinf_jax.tokenizer import Tokenizer
 
 JOB = Path(__file__).resolve().parent.parent / "fixtures" / "jobs" / "seed_job.json"
@@ -382,3 +386,24 @@ def write_cpu_document(benchmark: str, out: str | None, **fields) -> None:
     if out:
         Path(out).write_text(json.dumps(document, indent=2) + "\n")
     print(json.dumps(document))
+
+
+# Qwen3.5-4B's layer pattern and recurrent chunk layout at narrow widths, Gemma 3's vocabulary (the
+# tokenizer's): the layers' widths do not change how a pass is laid out.
+QWEN3_5_LAYOUT = QWEN3_5_4B | {
+    "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "vocab_size": 262144,
+}  # fmt: skip
+
+
+def qwen3_5_seed_passes(tokenizer: str, buckets: str):
+    """The seed job planned and packed by the server's own planner for a Qwen3.5-shaped model (bucket sizes
+    "4096,16384"): (the scoring plan, its passes)."""
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder, "config.json")
+        config.write_text(json.dumps(QWEN3_5_LAYOUT))
+        model = random_model(config, tokenizer, "fp32")
+    sizes = Buckets(tuple(int(b) for b in buckets.split(",")), block=64, recurrent=True)
+    plan = Scorer(Engine(model, sizes)).plan(seed_request(seed_job()))
+    return plan, pack(plan.trees, sizes)

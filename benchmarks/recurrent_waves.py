@@ -9,25 +9,14 @@ layers' widths do not change the layout), on any machine.
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
-from common import QWEN3_5_4B, seed_job, seed_request
+from common import qwen3_5_seed_passes
 
 from pallas_kernels.gated_delta import _sources, _waves
-from spinf_jax.engine import Engine
-from spinf_jax.loader import random_model
-from spinf_jax.packer import Buckets, pack
-from spinf_jax.scoring import Scorer
 
 WIDTHS = (1, 4, 32)
-# Qwen3.5-4B's layer pattern and chunk layout at narrow widths, Gemma 3's vocabulary (the tokenizer's).
-SMALL = QWEN3_5_4B | {
-    "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "vocab_size": 262144,
-}  # fmt: skip
 
 
 def main() -> None:
@@ -38,14 +27,9 @@ def main() -> None:
     parser.add_argument("--buckets", default="4096,16384")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as folder:
-        config = Path(folder, "config.json")
-        config.write_text(json.dumps(SMALL))
-        model = random_model(config, args.tokenizer, "fp32")
-    buckets = Buckets(tuple(int(b) for b in args.buckets.split(",")), block=64, recurrent=True)
-    plan = Scorer(Engine(model, buckets)).plan(seed_request(seed_job()))
+    plan, passes = qwen3_5_seed_passes(args.tokenizer, args.buckets)
     rows = []
-    for p in pack(plan.trees, buckets):
+    for p in passes:
         chunks = jnp.asarray(p.chunks)
         source = _sources(chunks)
         waves = {w: int(_waves(chunks, source, p.size, w)[1]) for w in WIDTHS}

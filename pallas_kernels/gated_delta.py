@@ -90,8 +90,10 @@ def wave_width() -> int:
     return WAVE.get(jax.default_backend(), 4)
 
 
-@partial(jax.jit, static_argnames=("chunk", "exports", "width"))
-def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports: int = 0, width: int = 4):
+@partial(jax.jit, static_argnames=("chunk", "exports", "width", "ahead"))
+def tree_chunked(
+    q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports: int = 0, width: int = 4, ahead: int = 0
+):
     """The gated delta rule over a packed tree pass (models.layers.TreeBatch): q, k, v, g, beta as in
     `recurrent` for every row [T, ...], each row's span_end [T], and the pass's recurrent chunks [N, 4]
     (spinf_jax.layout.Tree.recurrent_chunks: first row, rows, where it starts, which state it keeps). → (o
@@ -104,8 +106,12 @@ def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports
     in the table (START_RUNNING), of its tree's trunk or of its question's template (the last chunk before it
     that kept one), or from zeros. Chunks whose start states are known run together, `width` at a time
     (`_waves`): a trunk's chunks one after another, then all the pass's templates side by side, then their
-    option groups. Every wave runs the same program, so a row's bits depend on its own chunk and the state it
-    starts from, never on what else the pass holds or which chunks share its wave."""
+    option groups. With `ahead`, what needs no start state (each chunk's triangular solves, decays and scores
+    of its rows against each other) is worked out before the waves, for every chunk, `ahead` to a step, and
+    the waves, which wait for one another, do only the products with their start states (the same
+    arithmetic: the same bits); without, each wave works out its own chunks' whole. Every wave, and every
+    step before them, runs the same program, so a row's bits depend on its own chunk and the state it starts
+    from, never on what else the pass holds or which chunks share its wave or step."""
     t, h, _ = k.shape
     n = chunks.shape[0]
     rows = jnp.arange(chunk)
@@ -122,7 +128,7 @@ def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports
     counts = jnp.append(chunks[:, 1], 0)
     start_at = jnp.append(jnp.where(source < 0, n, source), n)
 
-    def lane(first, count, s0):
+    def lane(first, count):
         inside = rows < count
         take = partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=chunk)
         q_c, k_c, v_c, g_c, b_c = (
@@ -130,13 +136,29 @@ def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports
         )
         path = inside[:, None] & inside[None, :] & (rows[None, :] <= rows[:, None])
         path = path & (first + rows[:, None] < take(ends)[None, :])
-        return _chunk(q_c, k_c, v_c, g_c, b_c, path, s0, count - 1)
+        return _chunk_parts(q_c, k_c, v_c, g_c, b_c, path, jnp.maximum(count - 1, 0))
+
+    def worked_out(idx):  # [width] chunks' _chunk_parts
+        return jax.vmap(lane)(firsts[idx], counts[idx])
+
+    if ahead:  # every chunk's parts first, `ahead` chunks to a step, as far as the last chunk with rows
+        shapes = jax.eval_shape(worked_out, jnp.arange(ahead))
+        room = (n // ahead + 1) * ahead  # whole steps; index n stays an idle lane's (zeros, results dropped)
+        found = [jnp.zeros((room, *x.shape[1:]), x.dtype) for x in shapes]
+
+        def step(i, found):
+            put = partial(jax.lax.dynamic_update_slice_in_dim, start_index=i * ahead, axis=0)
+            parts = worked_out(jnp.minimum(i * ahead + jnp.arange(ahead), n))
+            return [put(x, y) for x, y in zip(found, parts, strict=True)]
+
+        found = jax.lax.fori_loop(0, -(-jnp.sum(chunks[:, 0] < t) // ahead), step, found)
+        worked_out = lambda idx: [x[idx] for x in found]  # noqa: E731 (the waves read them instead)
 
     def wave(w, carry):
         out, states = carry
         idx = table[w]  # [width] chunk indices, n where a lane is idle
         first, count = firsts[idx], counts[idx]
-        o, s = jax.vmap(lane)(first, count, states[start_at[idx]])  # [width, C, H, Dv], [width, H, Dk, Dv]
+        o, s = jax.vmap(_from_state)(worked_out(idx), states[start_at[idx]])
         at = jnp.where(rows[None, :] < count[:, None], first[:, None] + rows[None, :], t + chunk)
         out = out.at[at].set(o, mode="drop")  # a chunk's own rows, nothing else
         states = states.at[jnp.where(idx < n, idx, n + 1)].set(s)
@@ -201,6 +223,14 @@ def _chunk(q, k, v, g, beta, path, s0, last) -> tuple[jax.Array, jax.Array]:
     rows that are not the chunk's), path [C, C] (row j is on row i's path: j ≤ i, both the chunk's) and the
     row whose state to return (`last`). → (o [C, H, Dv], the state after row `last`), with the chunkwise
     (WY / UT) form of the DeltaNet papers: the rows' corrections are one triangular solve."""
+    return _from_state(_chunk_parts(q, k, v, g, beta, path, last), s0)
+
+
+def _chunk_parts(q, k, v, g, beta, path, last) -> list[jax.Array]:
+    """What `_chunk` works out before it needs the start state: (the corrections' values [H, C, Dv] and
+    keys from the chunk's start [H, C, Dk], the rows' decayed scores against the rows on their paths
+    [H, C, C], the queries decayed from the start [H, C, Dk], the keys decayed to row `last` [H, C, Dk], the
+    decay from the start to `last` [H])."""
     q, k, v = (jnp.moveaxis(x, 1, 0) for x in (q, k, v))  # [H, C, D]
     g, beta = g.T, beta.T  # [H, C]
     # gamma[h, i]: log decay from the chunk's start to row i along its path, itself included
@@ -217,12 +247,19 @@ def _chunk(q, k, v, g, beta, path, s0, last) -> tuple[jax.Array, jax.Array]:
     from_start = jnp.exp(gamma)  # [H, C]
     values = solve(system, beta[..., None] * v)  # [H, C, Dv]
     keys_from_start = solve(system, (beta * from_start)[..., None] * k)  # [H, C, Dk]
-    new = values - jnp.einsum("hck,hkv->hcv", keys_from_start, s0, precision=EXACT)
     within = jnp.einsum("hik,hjk->hij", q, k, precision=EXACT) * decay
-    o = jnp.einsum("hck,hkv->hcv", q * from_start[..., None], s0, precision=EXACT)
-    o = o + jnp.einsum("hij,hjv->hiv", within, new, precision=EXACT)
-    # The state after row `last`: s0 decayed along its path, plus the writes of the rows on it.
+    # The state after row `last`: the start state decayed along its path, plus the writes of the rows on it.
     to_last = jnp.where(path[last], jnp.exp(gamma[:, last, None] - gamma), 0.0)  # [H, C]
-    s = s0 * jnp.exp(gamma[:, last])[:, None, None]
-    s = s + jnp.einsum("hck,hcv->hkv", k * to_last[..., None], new, precision=EXACT)
+    return [values, keys_from_start, within, q * from_start[..., None], k * to_last[..., None],
+            jnp.exp(gamma[:, last])]  # fmt: skip
+
+
+def _from_state(parts: list[jax.Array], s0: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`_chunk`'s results from its `_chunk_parts` and start state s0 [H, Dk, Dv]: two products with the
+    state, one for the corrections net of what it already holds for their keys, one for the queries."""
+    values, keys_from_start, within, queries, keys_to_last, to_last = parts
+    new = values - jnp.einsum("hck,hkv->hcv", keys_from_start, s0, precision=EXACT)
+    o = jnp.einsum("hck,hkv->hcv", queries, s0, precision=EXACT)
+    o = o + jnp.einsum("hij,hjv->hiv", within, new, precision=EXACT)
+    s = s0 * to_last[:, None, None] + jnp.einsum("hck,hcv->hkv", keys_to_last, new, precision=EXACT)
     return jnp.moveaxis(o, 0, 1), s

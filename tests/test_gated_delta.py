@@ -66,16 +66,7 @@ def test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path(width):
     output is the recurrence from zero along its own path, the rows before it that it descends from, and
     the state handed to each slot's decoding is the recurrence's at the slot row; chunks one at a time, or
     4 or 32 side by side (a wave's lanes idle where fewer are ready)."""
-    questions = [
-        QuestionKey((11, 12, 13), ((40,), (41,))),
-        QuestionKey((14,) * 70, ((50, 51, 52), (50, 51, 53), (50, 60), (70,))),
-        QuestionKey((), ((7, 8), (9,))),
-        QuestionKey((15, 16), ((60, 61, 62), (60, 63, 64), (65, 66))),  # a trie that forks twice
-        QuestionKey((17, 18, 19), extract=Extract()),
-        QuestionKey((), extract=Extract(generate=True)),  # decodes from the trunk's last row
-    ]
-    trees = [build_tree([2], list(range(5, 75)), questions), build_tree([], [], questions[1:2])]
-    [p] = pack(trees, Buckets((512,), block=32, recurrent=True))
+    p, trees = _packed_pass()
     q, k, v, g, beta, _ = _inputs(5, p.size)
     slots = len(p.export_rows)
     o, states = tree_chunked(
@@ -104,3 +95,34 @@ def test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path(width):
     assert slots == 32 and list(p.export_rows[:3]) == [len(trees[0]) - 1, 70, -1]
     for i, row in enumerate(p.export_rows[:2]):
         np.testing.assert_allclose(states[i], last[ends.index(row)], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("ahead", [3, 8])
+def test_working_out_the_chunks_before_the_waves_changes_no_bit(ahead):
+    """`ahead`: each chunk's solves before the waves, `ahead` chunks to a step, gives the bits of the waves
+    working out their own chunks whole (a ragged last step, or one step)."""
+    p, _ = _packed_pass()
+    inputs = _inputs(6, p.size)[:5]
+    table = (jnp.asarray(p.span_end), jnp.asarray(p.chunks))
+    slots = len(p.export_rows)
+    want_o, want_states = tree_chunked(*inputs, *table, exports=slots, width=4)
+    o, states = tree_chunked(*inputs, *table, exports=slots, width=4, ahead=ahead)
+    np.testing.assert_array_equal(o, want_o)
+    np.testing.assert_array_equal(states, want_states)
+    assert float(jnp.abs(o).max()) > 0
+
+
+def _packed_pass():
+    """Two trees in one pass (test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path says what they
+    hold): (the pass, its trees)."""
+    questions = [
+        QuestionKey((11, 12, 13), ((40,), (41,))),
+        QuestionKey((14,) * 70, ((50, 51, 52), (50, 51, 53), (50, 60), (70,))),
+        QuestionKey((), ((7, 8), (9,))),
+        QuestionKey((15, 16), ((60, 61, 62), (60, 63, 64), (65, 66))),  # a trie that forks twice
+        QuestionKey((17, 18, 19), extract=Extract()),
+        QuestionKey((), extract=Extract(generate=True)),  # decodes from the trunk's last row
+    ]
+    trees = [build_tree([2], list(range(5, 75)), questions), build_tree([], [], questions[1:2])]
+    [p] = pack(trees, Buckets((512,), block=32, recurrent=True))
+    return p, trees

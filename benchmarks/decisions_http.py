@@ -1,22 +1,24 @@
 """The decision routes end to end over HTTP, at Kev's shape: a new short state (about 100 tokens, a
 customer-support message made up from a seed, never the same twice) asked 6 closed questions: 3 `noul`, 2
 `choice` of 4 named options, 1 `score` of 3 levels. What a decision client gets from the server, asked
-three ways (the parts):
+four ways (the parts):
 
 - systemone: one `POST /v1/systemone` with the 6 questions (the state read once, each question a branch);
 - decide-shared: one `POST /decide/shared` with the same 6 as lettered decisions (noul: yes/no; choice: its
   options; score: its levels);
+- systemone-batch: one `POST /v1/systemone/batch` with 16 states and the 6 questions (a bulk client's way:
+  the states packed into shared passes), its latency the whole request's;
 - one-per-question: 6 single-question `POST /v1/systemone` sent at once, the state done when all 6 are
   answered: how clients of engines that run one row per question use a server.
 
 Each part is driven for --seconds by closed-loop clients at each of --clients (a client posts its next state
 when its last is answered); a part's rate counts the states answered from its start to its last answer.
-Reported per part and client count: states/s, decisions/s (6 a state), p50/p99 latency of a state (from
-sending its request(s) to having every answer), states answered, errors (any non-200 or incomplete answer:
-counted and shown, never retried), the tokens the server read per state, and the client's own CPU share (a
-client near 100% of a core would be what limits the rate). Before timing, one state's `systemone` answers
-must equal its `one-per-question` answers bit for bit (the server answers a question the same whatever else
-is asked): `same_bits`.
+Reported per part and client count: states/s, decisions/s (6 a state), p50/p99 latency of a state (a
+batch's in systemone-batch; from sending its request(s) to having every answer), states answered, errors
+(any non-200 or incomplete answer: counted and shown, never retried), the tokens the server read per state,
+and the client's own CPU share (a client near 100% of a core would be what limits the rate). Before timing,
+one state's `systemone` answers must equal its `one-per-question` answers bit for bit (the server answers a
+question the same whatever else is asked): `same_bits`.
 
 The server is `spinf-jax serve` in a child process, ready with every bucket compiled before the parts. On
 the CPU, the default model:
@@ -53,7 +55,9 @@ import numpy as np
 from common import SHAPES
 from server_process import start_server, stop_server, wait_compiled, wait_ready
 
-PARTS = ("systemone", "decide-shared", "one-per-question")
+PARTS = ("systemone", "systemone-batch", "decide-shared", "one-per-question")
+# States a systemone-batch request carries.
+BATCH = 16
 
 # Kev's shape: 3 noul, 2 choice of 4 named options (some described), 1 score of 3 levels.
 QUESTIONS = {
@@ -207,7 +211,24 @@ async def one_per_question(http, text: str) -> tuple[dict, int]:
     return answers, sum(r["usage"]["input_tokens"] for r in replies)
 
 
-ASK = {"systemone": systemone, "decide-shared": decide_shared, "one-per-question": one_per_question}
+async def systemone_batch(http, texts: list[str]) -> tuple[list[dict], int]:
+    """BATCH states in one `/v1/systemone/batch` request, packed into shared passes by the server."""
+    body = {"model": "jev-latest", "states": texts, "questions": QUESTIONS}
+    reply = await post(http, "/v1/systemone/batch", body)
+    results = reply.get("results", ())
+    if len(results) != len(texts) or any(set(r.get("answers", ())) != set(QUESTIONS) for r in results):
+        raise Failed(f"/v1/systemone/batch: {len(results)} results for {len(texts)} states", len(texts))
+    return [r["answers"] for r in results], reply["total_usage"]["input_tokens"]
+
+
+ASK = {
+    "systemone": systemone,
+    "systemone-batch": systemone_batch,
+    "decide-shared": decide_shared,
+    "one-per-question": one_per_question,
+}
+# States each request (or set of requests, in one-per-question) of a part answers.
+STATES_PER_ASK = {"systemone-batch": BATCH}
 
 
 def http_client(url: str) -> httpx.AsyncClient:
@@ -221,6 +242,8 @@ def http_client(url: str) -> httpx.AsyncClient:
 async def drive(url: str, part: str, clients: int, seconds: float, seed: int, first: int) -> dict:
     """Closed-loop clients asking states first, first + 1, ... (each state once) for `seconds`."""
     ask = ASK[part]
+    per_ask = STATES_PER_ASK.get(part, 1)
+    answered = [0]  # states
     latencies: list[float] = []
     tokens: list[int] = []
     errors: list[str] = []
@@ -236,11 +259,11 @@ async def drive(url: str, part: str, clients: int, seconds: float, seed: int, fi
         nonlocal next_index, error_count, last_answer
         async with http:
             while time.perf_counter() < stop:
-                text = state(seed, next_index)
-                next_index += 1
+                texts = [state(seed, next_index + i) for i in range(per_ask)]
+                next_index += per_ask
                 begin = time.perf_counter()
                 try:
-                    _, read = await ask(http, text)
+                    _, read = await ask(http, texts if part in STATES_PER_ASK else texts[0])
                 except Failed as e:
                     error_count += e.count
                     if len(errors) < 5:
@@ -248,12 +271,13 @@ async def drive(url: str, part: str, clients: int, seconds: float, seed: int, fi
                     continue
                 last_answer = time.perf_counter()
                 latencies.append(last_answer - begin)
-                tokens.append(read)
+                tokens.append(read / per_ask)
+                answered[0] += per_ask
 
     await asyncio.gather(*(client(http) for http in https))
     cpu = time.process_time() - cpu
     wall = (last_answer or time.perf_counter()) - start
-    done = len(latencies)
+    done = answered[0]
     ms = np.array(latencies) * 1e3 if latencies else np.array([np.nan])
     return {
         "part": part,
@@ -262,7 +286,7 @@ async def drive(url: str, part: str, clients: int, seconds: float, seed: int, fi
         "seconds": wall,
         "states_per_second": done / wall,
         "decisions_per_second": done * len(QUESTIONS) / wall,
-        "requests_per_state": len(QUESTIONS) if part == "one-per-question" else 1,
+        "requests_per_state": len(QUESTIONS) if part == "one-per-question" else 1 / per_ask,
         "p50_ms": float(np.percentile(ms, 50)),
         "p99_ms": float(np.percentile(ms, 99)),
         "errors": error_count,

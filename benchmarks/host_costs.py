@@ -1,6 +1,8 @@
 """What the server's CPU spends per request around a pass, step by step, for the request shapes of
-http_throughput.py: decode the body, plan (compile the request, lay out its trees, look up floors), pack the
-trees into passes, turn a pass's outputs into per-tree results, finish (the response object) and encode it.
+http_throughput.py and decisions_http.py (Kev's: a new ~100-token state and 6 typed questions, through
+/v1/systemone, and 16 such states through /v1/systemone/batch): decode the body, plan (compile the request,
+lay out its trees, look up floors), pack the trees into passes, turn a pass's outputs into per-tree results,
+finish (the response object) and encode it.
 
     python3 benchmarks/host_costs.py [--tokenizer FOLDER] [--buckets 4096,16384] [--out DIR]
 
@@ -20,10 +22,12 @@ from pathlib import Path
 import msgspec
 import numpy as np
 from common import GEMMA3_12B, seed_job, seed_request
+from decisions_http import BATCH, QUESTIONS, state
 from http_throughput import article_bodies, pack_bodies, seventy_four
 
-from spinf_jax import api
+from spinf_jax import api, systemone
 from spinf_jax.builtin_models import DEFAULT_MODEL
+from spinf_jax.decision_apis import DecisionApis
 from spinf_jax.decoding import decode
 from spinf_jax.engine import Engine
 from spinf_jax.loader import random_model
@@ -59,13 +63,15 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1000
 
 
-def costs(engine: Engine, scorer: Scorer, body: dict, repeats: int) -> dict:
+def costs(engine: Engine, route: tuple, body: dict, repeats: int) -> dict:
+    """`route`: (the body's type, its plan and its finish, as the server calls them)."""
+    kind, plan_of, finish = route
     raw = msgspec.json.encode(body)
-    request = decode(raw, api.ScoreRequest)
-    plan = scorer.plan(request)  # the first plan scores the floors; they are cached after it, as in serving
+    request = decode(raw, kind)
+    plan = plan_of(request)  # the first plan scores the floors; they are cached after it, as in serving
     scored = engine.score_trees(plan.trees)
-    scorer.finish(plan, scored)
-    plan = scorer.plan(request)
+    finish(plan, scored)
+    plan = plan_of(request)
     scored = engine.score_trees(plan.trees)
     launched = engine.launch(plan.trees)
     # Each pass's device outputs (its targets' logits and its read chunks), on the host already: the step
@@ -80,13 +86,13 @@ def costs(engine: Engine, scorer: Scorer, body: dict, repeats: int) -> dict:
         for p, picked, chunks in outputs:
             engine._scored(p, launched, *engine._results(p, picked, chunks))
 
-    response = scorer.finish(plan, scored)
+    response = finish(plan, scored)
     ms = {
-        "decode": median_ms(lambda: decode(raw, api.ScoreRequest), repeats),
-        "plan": median_ms(lambda: scorer.plan(request), repeats),
+        "decode": median_ms(lambda: decode(raw, kind), repeats),
+        "plan": median_ms(lambda: plan_of(request), repeats),
         "pack": median_ms(lambda: pack(plan.trees, engine.buckets), repeats),
         "results": median_ms(results, repeats),
-        "finish": median_ms(lambda: scorer.finish(plan, scored), repeats),
+        "finish": median_ms(lambda: finish(plan, scored), repeats),
         "encode": median_ms(lambda: msgspec.json.encode(response), repeats),
     }
     return {
@@ -121,15 +127,25 @@ def main() -> None:
     model = random_model(config, args.tokenizer, "fp32")
     engine = Engine(model, Buckets(tuple(int(b) for b in args.buckets.split(","))))
     scorer = Scorer(engine, packs=compile_packs(None, model.tokenizer))
+    apis = DecisionApis(engine)
+    score = (api.ScoreRequest, scorer.plan, scorer.finish)
+    one = (systemone.SystemOneRequest, apis.plan_systemone, apis.finish_systemone)
+    batch = (systemone.SystemOneBatchRequest, apis.plan_systemone_batch, apis.finish_systemone_batch)
     job = seed_job()
+    kev = {"model": "jev-latest", "questions": QUESTIONS}
     shapes = {
-        "seed job, one request": seed_request(job),
-        "one article, 56 questions": article_bodies(job)[0],
-        "one article, 74 questions": seventy_four(job)[0],
-        "moderation pack, 32 messages": pack_bodies()[0],
-        "moderation pack, 1 message": pack_bodies(1)[0],
+        "seed job, one request": (score, seed_request(job)),
+        "one article, 56 questions": (score, article_bodies(job)[0]),
+        "one article, 74 questions": (score, seventy_four(job)[0]),
+        "moderation pack, 32 messages": (score, pack_bodies()[0]),
+        "moderation pack, 1 message": (score, pack_bodies(1)[0]),
+        "systemone, Kev's shape": (one, kev | {"state": state(0, 0)}),
+        f"systemone batch, {BATCH} of Kev's shape": (
+            batch,
+            kev | {"states": [state(0, i) for i in range(BATCH)]},
+        ),
     }
-    rows = {name: costs(engine, scorer, body, args.repeats) for name, body in shapes.items()}
+    rows = {name: costs(engine, route, body, args.repeats) for name, (route, body) in shapes.items()}
     text = table(rows)
     (out / "host_costs.json").write_text(json.dumps({"model": model.name, "rows": rows}, indent=1))
     (out / "host_costs.md").write_text(text + "\n")

@@ -227,13 +227,20 @@ def read_state(
     if images is not None and images.parts:
         return _read_with_images(state, asked, form, images)
     tokenizer, prefix = form.tokenizer, form.tokenizer.prefix()
+    rendered = [
+        form.render(state, question.question, [question.options[i] for i in order], question.labelled)
+        for question in asked
+        for order in question.orders
+    ]
+    # One call for every prompt: the tokenizer's batch runs them side by side (the ids of one by one).
+    encodings = iter(tokenizer.backend.encode_batch([text for text, _ in rendered], add_special_tokens=False))
+    rendered = iter(rendered)
     trunk, out = None, []
     for question in asked:
         branches = []
         for order in question.orders:
-            shown = [question.options[i] for i in order]
-            text, state_end = form.render(state, question.question, shown, question.labelled)
-            encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+            text, state_end = next(rendered)
+            encoding = next(encodings)
             ids = list(encoding.ids)
             if prefix and ids[:1] == prefix:  # the template wrote BOS itself; the tree adds it
                 ids = ids[1:]

@@ -117,19 +117,6 @@ def pytest_sessionfinish(session):
         output["peak_rss_mib"] = (_peak_mib(resource.RUSAGE_SELF), _peak_mib(resource.RUSAGE_CHILDREN))
 
 
-# Tests whose worker died under them once: xdist's file scheduler hands the rest of the dead worker's files,
-# that test first, to its replacement, so the test runs again; its first death is reported as a rerun, not a
-# failure (a second one fails it). Workers died inside XLA's CPU compiler, at different tests, in 5 of 6
-# clean-clone runs here on 2026-12-07 (docs/testing.md).
-DIED_UNDER: set[str] = set()
-
-
-def pytest_handlecrashitem(crashitem, report, sched):
-    if crashitem not in DIED_UNDER:
-        DIED_UNDER.add(crashitem)
-        report.outcome = "rerun"
-
-
 def pytest_testnodedown(node, error):
     if "peak_rss_mib" in getattr(node, "workeroutput", {}):
         PEAKS[node.gateway.id] = node.workeroutput["peak_rss_mib"]

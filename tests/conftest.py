@@ -1,4 +1,5 @@
 import collections
+import gc
 import os
 import resource
 from pathlib import Path
@@ -25,6 +26,38 @@ def pytest_configure(config):
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
+
+
+# XLA keeps each compiled program's machine code in memory mappings of its own, about three per code object,
+# for as long as the program lives; a worker that had compiled most of the suite's programs and kept every
+# shared engine held 47,698 mappings, near the kernel's limit (vm.max_map_count, 65,530 by default). Past it
+# an mmap inside XLA's compiler fails and the worker dies with a segmentation fault in
+# backend_compile_and_load, at whichever test compiles then (2026-12-07: 5 of 6 clean runs). So after a test
+# file's last test, a worker past half the limit forgets the shared models and engines and JAX's caches; the
+# files after it load and compile what they need again.
+MAP_LIMIT = Path("/proc/sys/vm/max_map_count")
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps", "rb") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.hookimpl(trylast=True)  # after the file's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    if not MAP_LIMIT.exists() or (nextitem is not None and nextitem.path == item.path):
+        return
+    share = float(os.environ.get("SPINF_TEST_MAPPINGS_SHARE", "0.5"))
+    if _mappings() > share * int(MAP_LIMIT.read_text()):
+        import jax
+
+        from tests import engines
+
+        before = _mappings()
+        engines.release()
+        jax.clear_caches()
+        gc.collect()
+        print(f"\n{item.path.name}: {before:,} memory mappings, {_mappings():,} after releasing the programs")
 
 
 @pytest.fixture(scope="session")

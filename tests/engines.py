@@ -53,6 +53,13 @@ def _engine(spec: str, precision: str, buckets: Buckets) -> Engine:
     return Engine(_model(spec, precision), buckets)
 
 
+def release() -> None:
+    """Forget the models and engines shared so far (and so their compiled programs, once nothing else holds
+    them): the next test that asks for one loads or builds it again."""
+    _engine.cache_clear()
+    _model.cache_clear()
+
+
 @functools.cache
 def byte_tokenizer() -> Tokenizer:
     """A tokenizer for the tiny fixtures (512-token vocabularies, no tokenizer of their own): one token per

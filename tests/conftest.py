@@ -36,6 +36,7 @@ def pytest_configure(config):
 # file's last test, a worker past half the limit forgets the shared models and engines and JAX's caches; the
 # files after it load and compile what they need again.
 MAP_LIMIT = Path("/proc/sys/vm/max_map_count")
+RELEASED: list[str] = []  # when this process released its programs, said with its peak memory at the end
 
 
 def _mappings() -> int:
@@ -57,7 +58,7 @@ def pytest_runtest_teardown(item, nextitem):
         engines.release()
         jax.clear_caches()
         gc.collect()
-        print(f"\n{item.path.name}: {before:,} memory mappings, {_mappings():,} after releasing the programs")
+        RELEASED.append(f"after {item.path.name}: {before:,} mappings, {_mappings():,}")
 
 
 @pytest.fixture(scope="session")
@@ -138,6 +139,7 @@ def _schedule_by_file(items) -> None:
 # Each worker's peak memory, said at the end of the run (CI's log then tells whether a run came near the
 # machine's memory): a worker sends its own in `workeroutput`, the controller prints them.
 PEAKS: dict[str, tuple[float, float]] = {}
+RELEASES: dict[str, list[str]] = {}
 
 
 def _peak_mib(who: int) -> float:
@@ -148,16 +150,21 @@ def pytest_sessionfinish(session):
     output = getattr(session.config, "workeroutput", None)
     if output is not None:
         output["peak_rss_mib"] = (_peak_mib(resource.RUSAGE_SELF), _peak_mib(resource.RUSAGE_CHILDREN))
+        output["released"] = RELEASED
 
 
 def pytest_testnodedown(node, error):
     if "peak_rss_mib" in getattr(node, "workeroutput", {}):
         PEAKS[node.gateway.id] = node.workeroutput["peak_rss_mib"]
+        RELEASES[node.gateway.id] = node.workeroutput.get("released", [])
 
 
 def pytest_terminal_summary(terminalreporter):
     if not PEAKS:
         PEAKS["main"] = (_peak_mib(resource.RUSAGE_SELF), _peak_mib(resource.RUSAGE_CHILDREN))
+        RELEASES["main"] = RELEASED
     for who, (own, child) in sorted(PEAKS.items()):
         line = f"peak RSS {who}: {own:,.0f} MiB; its largest child process {child:,.0f} MiB"
+        if RELEASES.get(who):
+            line += f"; programs released {'; '.join(RELEASES[who])}"
         terminalreporter.write_line(line)

@@ -605,6 +605,14 @@ class Health(Struct, kw_only=True, omit_defaults=True):
     versions: Versions
     error: Annotated[str | None, Meta(description="why the model failed to load")] = None
     system_fingerprint: str | None = None
+    fingerprint_parts: Annotated[
+        dict[str, str] | None,
+        Meta(
+            description="what system_fingerprint hashes, by name (checkpoint, precision, engine, jax, "
+            "device, XLA_FLAGS, CUDA libraries or the CPU's extensions): where two servers' fingerprints "
+            "differ, why"
+        ),
+    ] = None
     buckets: Annotated[list[int] | None, Meta(description="the compiled pass sizes, in tokens")] = None
     pass_seconds: Annotated[
         list[float] | None,

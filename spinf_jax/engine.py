@@ -10,7 +10,6 @@ Library use (what the server does too, and what a notebook can call directly):
     [scored] = engine.score_trees([build_tree(prefix, content_ids, questions)])  # token level
 """
 
-import hashlib
 import logging
 import math
 import sys
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spinf_jax import audio, media
+from spinf_jax import audio, fingerprint, media
 from spinf_jax.answers import Vocabulary, vocabulary
 from spinf_jax.builtin_models import DEFAULT_MODEL
 from spinf_jax.extraction import CANDIDATES, Decoded, SlotSearch, path_columns
@@ -284,23 +283,17 @@ class Engine:
         buckets.check_row_tile(model.row_tile)
         self._configured = buckets  # every size; `buckets` is what passes are packed into (see warmup)
         self.compiling: tuple[int, ...] = ()  # sizes a background warmup has yet to compile
-        self.fingerprint = (
-            "fp_"
-            + hashlib.sha256(
-                "|".join(
-                    [
-                        model.digest,
-                        model.precision.value,
-                        f"block={buckets.block}",
-                        f"row_tile={model.row_tile}",
-                        ENGINE_VERSION,
-                        jax.__version__,
-                        jax.default_backend(),
-                        scoring_device().device_kind,  # another GPU model may compile other kernels
-                    ]
-                ).encode()
-            ).hexdigest()[:16]
+        self.fingerprint_parts = fingerprint.parts(
+            scoring_device(),
+            {
+                "model": model.digest,
+                "precision": model.precision.value,
+                "block": str(buckets.block),
+                "row_tile": str(model.row_tile),
+                "engine_version": ENGINE_VERSION,
+            },
         )
+        self.fingerprint = fingerprint.digest(self.fingerprint_parts)
         self._floor_cache: OrderedDict[QuestionKey, np.ndarray] = OrderedDict()
         self._floor_cache_bytes = floor_cache_bytes
         self.floor_cache_held = 0  # bytes, as _floor_entry_bytes counts them

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from litestar.testing import TestClient
 
+from spinf_jax import fingerprint
 from spinf_jax.calibration import Calibration, Workload
 from spinf_jax.decisions import Decider
 from spinf_jax.server.app import Settings, create_app
@@ -236,6 +237,9 @@ def test_errors_in_the_envelope(url):
     health = httpx.get(f"{url}/health").json()
     assert health["ready"] is True
     assert health["precision"] == "fp32"  # the engine's, not the settings' default (bf16)
+    # the parts a user compares across servers, and the fingerprint is their digest
+    assert fingerprint.digest(health["fingerprint_parts"]) == health["system_fingerprint"]
+    assert health["fingerprint_parts"]["precision"] == "fp32" and "xla_flags" in health["fingerprint_parts"]
 
 
 def test_body_over_the_limit_is_refused_while_reading(url):

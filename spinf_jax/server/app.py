@@ -405,6 +405,7 @@ async def health(request: Request) -> Response[api.Health]:
     )
     if engine:
         body.system_fingerprint = engine.fingerprint
+        body.fingerprint_parts = engine.fingerprint_parts
         buckets = engine.buckets  # one read: the compile thread may replace it meanwhile
         body.buckets = list(buckets.sizes)
         body.pass_seconds = list(buckets.pass_costs) if buckets.pass_costs else None

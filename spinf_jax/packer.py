@@ -32,7 +32,10 @@ MIN_BUCKET = 2 * READ_CHUNK
 def default_sizes() -> tuple[int, ...]:
     """The bucket sizes served by default. Each largest bucket holds a content at the 4,096-token limit (4,097
     rows with BOS, 4,224 aligned) with its questions. On the CPU a 16k-token pass takes minutes: 6,144 is the
-    largest there, and small buckets keep single requests responsive.
+    largest there, and small buckets keep single requests responsive: a decision request of Kev's shape (a
+    ~100-token state, 6 questions: ~350 rows) fits 512 rows, a pass of 0.40 s on the default model in bf16
+    against 0.68 s for 1,024, and over HTTP one client's p50 went from 894 to 627 ms with 512 added
+    (benchmarks/results/decisions_http-cpu-2026-12-07-buckets-*, 2-core Intel Xeon).
 
     On GPUs every 2,048 rows from 4,096, two of the GPUs' row tiles (loader.default_row_tile): a pass's rows
     cost time whether trees fill them or not. With powers of two the seed job's 24 articles (28,583 tokens)
@@ -44,7 +47,7 @@ def default_sizes() -> tuple[int, ...]:
     the H200, start_time-h200-2026-12-04), behind the server once its smallest and largest are ready
     (Engine.warmup)."""
     if jax.default_backend() == "cpu":
-        return (256, 1024, 2048, 6144)
+        return (256, 512, 1024, 2048, 6144)
     return tuple(range(4096, 16384 + 1, 2048))
 
 

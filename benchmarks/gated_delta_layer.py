@@ -1,7 +1,6 @@
 """One Gated DeltaNet layer's recurrence over the seed job's passes, two versions of `tree_chunked` side by
 side: --before FILE (an older pallas_kernels/gated_delta.py) against this checkout's, each at the wave width
-this backend uses (or --width), this checkout's at each --ahead (chunks whose parts are worked out before
-the waves per step; 0: in the waves, as before). The passes are laid out by the server's own planner for a
+this backend uses (or --width). The passes are laid out by the server's own planner for a
 Qwen3.5-4B-shaped model; q, k, v, g, beta are made up at the layer's shape (32 value heads of 128, keys of
 128: --heads, --dk, --dv), normalised as the layer hands them over. First each version's outputs against the
 before's (max |difference|, outputs and exported states, and whether every bit agrees), then the median
@@ -52,7 +51,6 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="an older pallas_kernels/gated_delta.py")
     parser.add_argument("--buckets", default="4096,16384")
     parser.add_argument("--width", type=int, default=gated_delta.wave_width())
-    parser.add_argument("--ahead", default="0", help="comma-separated; 0: worked out in the waves")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dk", type=int, default=128)
     parser.add_argument("--dv", type=int, default=128)
@@ -69,11 +67,10 @@ def main() -> None:
         inputs = layer_inputs(size, args.heads, args.dk, args.dv)
         table = (jnp.asarray(p.span_end), jnp.asarray(p.chunks))
         common = {"exports": len(p.export_rows), "width": args.width}
-        versions = {"before": partial(before.tree_chunked, *inputs, *table, **common)}
-        for ahead in (int(a) for a in args.ahead.split(",")):
-            versions[f"after, ahead {ahead}" if ahead else "after, in the waves"] = partial(
-                gated_delta.tree_chunked, *inputs, *table, **common, ahead=ahead
-            )
+        versions = {
+            "before": partial(before.tree_chunked, *inputs, *table, **common),
+            "after": partial(gated_delta.tree_chunked, *inputs, *table, **common),
+        }
         want_o, want_states = versions["before"]()
         real = int((p.chunks[:, 0] < p.size).sum())
         for name, run in versions.items():

@@ -90,10 +90,8 @@ def wave_width() -> int:
     return WAVE.get(jax.default_backend(), 4)
 
 
-@partial(jax.jit, static_argnames=("chunk", "exports", "width", "ahead"))
-def tree_chunked(
-    q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports: int = 0, width: int = 4, ahead: int = 0
-):
+@partial(jax.jit, static_argnames=("chunk", "exports", "width"))
+def tree_chunked(q, k, v, g, beta, span_end, chunks, *, chunk: int = 64, exports: int = 0, width: int = 4):
     """The gated delta rule over a packed tree pass (models.layers.TreeBatch): q, k, v, g, beta as in
     `recurrent` for every row [T, ...], each row's span_end [T], and the pass's recurrent chunks [N, 4]
     (spinf_jax.layout.Tree.recurrent_chunks: first row, rows, where it starts, which state it keeps). → (o
@@ -106,12 +104,13 @@ def tree_chunked(
     in the table (START_RUNNING), of its tree's trunk or of its question's template (the last chunk before it
     that kept one), or from zeros. Chunks whose start states are known run together, `width` at a time
     (`_waves`): a trunk's chunks one after another, then all the pass's templates side by side, then their
-    option groups. With `ahead`, what needs no start state (each chunk's triangular solves, decays and scores
-    of its rows against each other) is worked out before the waves, for every chunk, `ahead` to a step, and
-    the waves, which wait for one another, do only the products with their start states (the same
-    arithmetic: the same bits); without, each wave works out its own chunks' whole. Every wave, and every
-    step before them, runs the same program, so a row's bits depend on its own chunk and the state it starts
-    from, never on what else the pass holds or which chunks share its wave or step."""
+    option groups. Each wave works out its chunks' parts that need no start state (`_chunk_parts`: the
+    triangular solves, decays and scores of a chunk's rows against each other), then their products with the
+    start states (`_from_state`). Every wave runs the same program, so a row's bits depend on its own chunk
+    and the state it starts from, never on what else the pass holds or which chunks share its wave. (Working
+    out every chunk's parts before the waves, a step of 32 or 128 chunks at a time, was slower on an H100,
+    43.3 and 40.0 ms a layer against 37.3 for a 16,384-row pass, and not the same bits there:
+    benchmarks/results/gated_delta_layer-h100-2026-12-07-ahead.md.)"""
     t, h, _ = k.shape
     n = chunks.shape[0]
     rows = jnp.arange(chunk)
@@ -140,19 +139,6 @@ def tree_chunked(
 
     def worked_out(idx):  # [width] chunks' _chunk_parts
         return jax.vmap(lane)(firsts[idx], counts[idx])
-
-    if ahead:  # every chunk's parts first, `ahead` chunks to a step, as far as the last chunk with rows
-        shapes = jax.eval_shape(worked_out, jnp.arange(ahead))
-        room = (n // ahead + 1) * ahead  # whole steps; index n stays an idle lane's (zeros, results dropped)
-        found = [jnp.zeros((room, *x.shape[1:]), x.dtype) for x in shapes]
-
-        def step(i, found):
-            put = partial(jax.lax.dynamic_update_slice_in_dim, start_index=i * ahead, axis=0)
-            parts = worked_out(jnp.minimum(i * ahead + jnp.arange(ahead), n))
-            return [put(x, y) for x, y in zip(found, parts, strict=True)]
-
-        found = jax.lax.fori_loop(0, -(-jnp.sum(chunks[:, 0] < t) // ahead), step, found)
-        worked_out = lambda idx: [x[idx] for x in found]  # noqa: E731 (the waves read them instead)
 
     def wave(w, carry):
         out, states = carry

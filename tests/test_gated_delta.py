@@ -97,21 +97,6 @@ def test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path(width):
         np.testing.assert_allclose(states[i], last[ends.index(row)], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("ahead", [3, 8])
-def test_working_out_the_chunks_before_the_waves_changes_no_bit(ahead):
-    """`ahead`: each chunk's solves before the waves, `ahead` chunks to a step, gives the bits of the waves
-    working out their own chunks whole (a ragged last step, or one step)."""
-    p, _ = _packed_pass()
-    inputs = _inputs(6, p.size)[:5]
-    table = (jnp.asarray(p.span_end), jnp.asarray(p.chunks))
-    slots = len(p.export_rows)
-    want_o, want_states = tree_chunked(*inputs, *table, exports=slots, width=4)
-    o, states = tree_chunked(*inputs, *table, exports=slots, width=4, ahead=ahead)
-    np.testing.assert_array_equal(o, want_o)
-    np.testing.assert_array_equal(states, want_states)
-    assert float(jnp.abs(o).max()) > 0
-
-
 def _packed_pass():
     """Two trees in one pass (test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path says what they
     hold): (the pass, its trees)."""

@@ -16,16 +16,24 @@ left out (its floors are read then, as a server's first request does).
 
 Row tiles change bits (they are in the fingerprint), so each engine's answers are its own; the table says
 which configuration answers fastest and what it costs a large pass. Writes latency_buckets.json and .md.
+--profile (GPU) traces 5 more requests per tile: their kernels by class and the device's idle stretches
+(benchmarks/pass_profile.py's tables), in the JSON and printed.
 """
 
 import json
 import statistics
+import tempfile
 import time
 from argparse import Namespace
 from pathlib import Path
 
+import jax
 from common import SHAPES, engine_args, random_engine
 from decisions_http import QUESTIONS, machine, state
+from pass_profile import device_kernels, summarize
+from pass_profile import table as kernel_table
+
+PROFILED = 5  # requests traced with --profile
 
 
 def measure(args, tile: int) -> dict:
@@ -47,6 +55,16 @@ def measure(args, tile: int) -> dict:
         seconds.append(time.perf_counter() - start)
     assert set(reply["answers"]) == set(QUESTIONS), reply
     ordered = sorted(seconds)
+    profile = None
+    if args.profile:  # where a request's time goes on the device: kernels by class, and the device's idle
+        trace_dir = Path(tempfile.mkdtemp())
+        with jax.profiler.trace(str(trace_dir)):
+            start = time.perf_counter()
+            for i in range(PROFILED):
+                engine.service.systemone(body | {"state": state(args.seed, args.repeats + 1 + i)})
+            wall = time.perf_counter() - start
+        profile = summarize(device_kernels(trace_dir), wall)
+        print(kernel_table(profile, f"row tile {tile}, {PROFILED} Kev requests"), flush=True)
     return {
         "row_tile": tile,
         "buckets": sizes,
@@ -57,6 +75,7 @@ def measure(args, tile: int) -> dict:
         "request_p90_ms": 1000 * ordered[int(0.9 * (len(ordered) - 1))],
         "requests": len(seconds),
         "fingerprint": engine.fingerprint,
+        "profile": profile,
     }
 
 
@@ -82,6 +101,7 @@ def main() -> None:
         parser.add_argument("--big", type=int, default=4096, help="the large bucket every engine has")
         parser.add_argument("--fits", type=int, default=512, help="a bucket that holds a Kev request")
         parser.add_argument("--seed", type=int, default=0, help="the states' seed")
+        parser.add_argument("--profile", action="store_true", help=f"trace {PROFILED} more requests (GPU)")
 
     args = engine_args(__doc__, extra)
     args.repeats = max(args.repeats, 20) if args.repeats == 3 else args.repeats  # 3 is engine_args' default

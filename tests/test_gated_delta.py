@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import gated_delta
 from pallas_kernels.gated_delta import chunked, recurrent, tree_chunked
 from spinf_jax.layout import Extract, QuestionKey, build_tree
 from spinf_jax.packer import Buckets, pack
@@ -95,6 +96,25 @@ def test_a_packed_tree_pass_is_the_recurrence_along_every_rows_path(width):
     assert slots == 32 and list(p.export_rows[:3]) == [len(trees[0]) - 1, 70, -1]
     for i, row in enumerate(p.export_rows[:2]):
         np.testing.assert_allclose(states[i], last[ends.index(row)], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("value_block", [64, 4])
+def test_the_wave_kernel_is_the_waves_arithmetic(value_block, monkeypatch):
+    """`kernel=True`: each wave as Triton programs per (lane, head, block of value columns), here in interpret
+    mode on the CPU, the waves' functions with the corrections' system solved row by row: the outputs and
+    handed-over states of the waves in XLA, to f32 rounding, whether a program takes all 8 value columns
+    or 4."""
+    monkeypatch.setattr(gated_delta, "VALUE_BLOCK", value_block)
+    jax.clear_caches()  # the kernel's programs are traced with the block in force
+    p, _ = _packed_pass()
+    inputs = _inputs(7, p.size)[:5]
+    table = (jnp.asarray(p.span_end), jnp.asarray(p.chunks))
+    slots = len(p.export_rows)
+    want_o, want_states = tree_chunked(*inputs, *table, exports=slots, width=4)
+    o, states = tree_chunked(*inputs, *table, exports=slots, width=4, kernel=True, interpret=True)
+    np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(states, want_states, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(o).max()) > 0 and float(jnp.abs(states).max()) > 0
 
 
 def _packed_pass():

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import tree_attention_mosaic
+from pallas_kernels.gated_delta import tree_chunked
 from pallas_kernels.tree_attention import kernel, reference
 from spinf_jax.decision_apis import DecisionApis
 from spinf_jax.engine import Engine
@@ -20,6 +21,7 @@ from spinf_jax.loader import load_model
 from spinf_jax.packer import Buckets
 from spinf_jax.quant import Precision, linear, quantize
 from tests import engines
+from tests.test_gated_delta import _inputs, _packed_pass
 from tests.test_tree_attention import same_rows_in_every_layout
 from tests.trees import POOL, lay_out
 from tests.typed_pool import POOL as DECISION_POOL
@@ -123,3 +125,18 @@ def test_decision_answers_bit_identical_whatever_else_is_asked(family, precision
         )
         for qid, i in zip(asked, order, strict=True):
             assert reply["answers"][qid] == base[names[i]], (qid, names[i])
+
+
+@pytest.mark.parametrize("width", [4, 32])
+def test_the_gated_delta_wave_kernel_is_the_waves_arithmetic(width):
+    """The Triton wave kernel (gated_delta.wave_kernel) compiled for the GPU at Qwen3.5's head shape (keys
+    and values of 128, two blocks of value columns): the XLA waves' outputs and handed-over states to f32
+    rounding, over a packed pass of two trees (test_gated_delta's)."""
+    p, _ = _packed_pass()
+    inputs = _inputs(9, p.size, h=4, dk=128, dv=128)[:5]
+    table = (jnp.asarray(p.span_end), jnp.asarray(p.chunks))
+    slots = len(p.export_rows)
+    want_o, want_states = tree_chunked(*inputs, *table, exports=slots, width=width)
+    o, states = tree_chunked(*inputs, *table, exports=slots, width=width, kernel=True)
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(states, want_states, rtol=1e-4, atol=1e-5)

@@ -605,6 +605,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--buckets", help="pass sizes in tokens, comma-separated (default by backend)")
     p.add_argument(
+        "--row-tile",
+        metavar="ROWS",
+        help="rows per tile of the GEMMs (default by backend: 2,048 on GPUs, 128 on the CPU); buckets hold "
+        "two tiles at least, so a smaller tile allows smaller buckets for short requests "
+        "(docs/configuration.md)",
+    )
+    p.add_argument(
         "--device-memory-cap", metavar="GIB", help="the most device memory to use (docs/configuration.md)"
     )
     p.add_argument(

@@ -334,10 +334,14 @@ class Engine:
         spec: str = DEFAULT_MODEL,
         precision: str | None = None,
         progress: Progress | None = None,
+        row_tile: int | None = None,
         **kwargs,
     ) -> "Engine":
-        """precision None: the one a `spinf-jax quantize` folder was written for, else bf16."""
-        return cls(load_model(spec, precision, progress), **kwargs)
+        """precision None: the one a `spinf-jax quantize` folder was written for, else bf16. row_tile: the
+        rows of row-local work per tile (None: the backend's, loader.default_row_tile); every bucket must
+        hold two."""
+        model = load_model(spec, precision, progress)
+        return cls(replace(model, row_tile=row_tile, _jitted={}) if row_tile else model, **kwargs)
 
     def warmup(
         self, progress: Progress | None = None, extraction: bool = False, background: bool = False

@@ -226,6 +226,15 @@ def test_buckets_must_hold_two_row_tiles_at_least(engine):
     Engine(model, Buckets((512, 1024)))
 
 
+def test_a_row_tile_given_to_load_reaches_the_model_and_the_fingerprint():
+    tiny = str(engines.TINY / "llama")
+    tiled = Engine.load(tiny, "fp32", row_tile=64, buckets=Buckets((256,)))
+    assert tiled.model.row_tile == 64 and tiled.fingerprint_parts["row_tile"] == "64"
+    assert Engine.load(tiny, "fp32", buckets=Buckets((256,))).fingerprint != tiled.fingerprint
+    with pytest.raises(ValueError, match="multiple of 256 and at least 512"):
+        Engine.load(tiny, "fp32", row_tile=256, buckets=Buckets((256,)))
+
+
 def test_bucket_program_can_be_inspected(engine):
     memory = engine.lowered(256).compile().memory_analysis()
     assert memory.temp_size_in_bytes > 0

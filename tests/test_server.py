@@ -416,6 +416,22 @@ def test_warm_extraction_is_asked_of_the_engine_at_start(engine, monkeypatch):
     assert asked == [(True, True), (False, True)]
 
 
+def test_the_row_tile_reaches_the_engine(monkeypatch):
+    """Settings.row_tile (`serve --row-tile`) is what the server loads its engine with (Engine.load's
+    row_tile, which test_engine shows reaches the model and the fingerprint)."""
+    asked = []
+
+    def load(spec, precision=None, progress=None, row_tile=None, **kwargs):
+        asked.append((row_tile, kwargs["buckets"].sizes))
+        raise RuntimeError("loaded no model")
+
+    monkeypatch.setattr("spinf_jax.server.app.Engine.load", load)
+    settings = Settings(MODEL, buckets=(256, 512), row_tile=64, packs={})
+    with TestClient(create_app(settings)) as client:
+        assert loaded(client)["status"] == "error"
+    assert asked == [(64, (256, 512))]
+
+
 def test_a_profile_traces_the_server_while_it_serves(engine, tmp_path):
     """POST /v1/admin/profile (serve --profile-dir) writes a trace of the running process, behind the key,
     one at a time, while requests are still answered; without the flag it is profiling_off."""

@@ -98,6 +98,7 @@ def test_every_problem_is_reported_at_once(serve, tmp_path):
         (["--max-delay-ms", "-1"], {}, "--max-delay-ms: must be a number of milliseconds, 0 or more"),
         (["--port", "70000"], {}, "--port: must be from 1 to 65535, not 70000"),
         (["--device-memory-cap", "0"], {}, "--device-memory-cap: must be a number of GiB, above 0, not '0'"),
+        (["--row-tile", "wide"], {}, "--row-tile: 'wide' is not a whole number"),
         (["--device-memory-cap", "lots"], {}, "--device-memory-cap: 'lots' is not a number"),
         (["--remote-media-timeout", "5"], {}, "--remote-media-timeout: only with --allow-remote-media"),
         (
@@ -145,6 +146,18 @@ def test_buckets_fit_the_backend_row_tile(serve, monkeypatch):
     status, _, err, _ = serve("--check", "--buckets", "1024,2048")
     assert status == 2 and "must be a multiple of 1024 and at least 2048" in err[0]
     assert serve("--check", "--buckets", "2048,4096")[0] == 0
+
+
+def test_a_row_tile_is_checked_against_the_buckets(serve):
+    """--row-tile: every bucket holds two tiles, the given buckets or the backend's defaults (256 to 6,144
+    on the CPU), known before loading; the tile reaches the Settings."""
+    status, _, err, settings = serve("--row-tile", "64", "--buckets", "256,512")
+    assert (status, err, settings.row_tile, settings.buckets) == (0, [], 64, (256, 512))
+    assert serve()[3].row_tile is None  # the backend's
+    status, _, err, _ = serve("--check", "--row-tile", "256", "--buckets", "256,1024")
+    assert status == 2 and len(err) == 1 and "serve: --buckets:" in err[0] and "at least 512" in err[0]
+    status, _, err, _ = serve("--check", "--row-tile", "4096")
+    assert status == 2 and len(err) == 1 and "serve: --row-tile:" in err[0] and "give --buckets" in err[0]
 
 
 def test_local_models_must_exist_and_parse(serve, tmp_path):

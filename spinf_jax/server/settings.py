@@ -17,7 +17,7 @@ from spinf_jax.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL
 from spinf_jax.calibration import Calibration, CalibrationError, load_calibration
 from spinf_jax.compiler import Limits
 from spinf_jax.loader import default_row_tile, has_tokenizer_files
-from spinf_jax.packer import Buckets
+from spinf_jax.packer import Buckets, default_sizes
 from spinf_jax.packs.format import PackError
 from spinf_jax.packs.loader import LoadedPack, load_packs
 from spinf_jax.quant import Precision
@@ -37,6 +37,10 @@ class Settings:
     model: str
     precision: str = "bf16"
     buckets: tuple[int, ...] | None = None  # None: by backend (packer.default_sizes)
+    # Rows of row-local work (the GEMMs) per tile (models.layers.by_rows); None: by backend
+    # (loader.default_row_tile). Smaller tiles allow smaller buckets: short requests answer sooner, large
+    # passes take longer (docs/configuration.md).
+    row_tile: int | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key asked; never in a repr (logs)
     metrics_auth: bool = False  # /metrics asks for a key too
     max_queue: int = 64
@@ -102,7 +106,8 @@ class Launch:
         replicas = f", a replica on each of {self.devices} device(s)" if self.devices else ""
         return (
             f"{model} ({s.precision}) on {self.host}:{self.port}{replicas}; {keys}, /metrics "
-            f"{'behind the key' if s.metrics_auth else 'open'}; buckets {s.buckets or 'by backend'}; "
+            f"{'behind the key' if s.metrics_auth else 'open'}; buckets {s.buckets or 'by backend'}"
+            f"{f' in row tiles of {s.row_tile}' if s.row_tile else ''}; "
             f"queue {s.max_queue}, delay {s.max_delay_ms:g} ms; device memory "
             f"{f'at most {cap:g} GiB' if cap else 'uncapped'}; packs {', '.join(s.packs or {}) or 'none'}; "
             f"workloads {', '.join(s.calibration.workloads) if s.calibration else 'none'}; remote images "
@@ -142,7 +147,13 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
     deadline_s = _number("--request-deadline", args.request_deadline, problems, "seconds", zero=True)
     cap = args.device_memory_cap
     cap_gib = None if cap is None else _number("--device-memory-cap", cap, problems, "GiB", zero=False)
-    buckets = None if args.buckets is None else _buckets(args.buckets, problems)
+    row_tile = None if args.row_tile is None else _whole("--row-tile", args.row_tile, problems, low=16)
+    buckets = None if args.buckets is None else _buckets(args.buckets, problems, row_tile)
+    if args.buckets is None and row_tile:
+        try:
+            Buckets(default_sizes()).check_row_tile(row_tile)
+        except ValueError as exc:
+            problems.append(f"--row-tile: the default buckets do not fit it ({exc}): give --buckets too")
     remote = args.remote_media_timeout or REMOTE_MEDIA_TIMEOUT
     remote_s = _number("--remote-media-timeout", remote, problems, "seconds", zero=False)
     if args.remote_media_timeout is not None and not args.allow_remote_media:
@@ -186,6 +197,7 @@ def read_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch:
         model=model,
         precision=precision,
         buckets=buckets,
+        row_tile=row_tile,
         api_keys=keys,
         metrics_auth=args.metrics_auth,
         max_queue=max_queue,
@@ -309,7 +321,7 @@ def read_buckets(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def _buckets(text: str, problems: list[str]) -> tuple[int, ...] | None:
+def _buckets(text: str, problems: list[str], row_tile: int | None = None) -> tuple[int, ...] | None:
     try:
         sizes = tuple(int(size) for size in text.split(","))
     except ValueError:
@@ -317,8 +329,9 @@ def _buckets(text: str, problems: list[str]) -> tuple[int, ...] | None:
         return None
     try:
         # Ascending multiples of the block and of the read chunk, none too small, whole row tiles: what the
-        # engine checks once the model is loaded, and the backend's row tile is known before that.
-        Buckets(sizes).check_row_tile(default_row_tile())
+        # engine checks once the model is loaded, and the row tile (the backend's unless given) is known
+        # before that.
+        Buckets(sizes).check_row_tile(row_tile or default_row_tile())
     except ValueError as exc:
         problems.append(f"--buckets: {exc}")
         return None

@@ -1,7 +1,8 @@
 """One Gated DeltaNet layer's recurrence over the seed job's passes, two versions of `tree_chunked` side by
 side: --before FILE (an older pallas_kernels/gated_delta.py) against this checkout's, each at the wave width
 this backend uses (or --width), and with --kernel this checkout's with each wave as the Triton wave kernel
-(`tree_chunked(kernel=True)`, GPU only: on the CPU it runs only in interpret mode). The passes are laid out by
+(`tree_chunked(kernel=True)`, GPU only: on the CPU it runs only in interpret mode), each with the waves
+--groups to a step of the loop. The passes are laid out by
 the server's own planner for a Qwen3.5-4B-shaped model; q, k, v, g, beta are made up at the layer's shape (32
 value heads of 128, keys of 128: --heads, --dk, --dv), normalised as the layer hands them over. First each
 version's outputs against the before's (max |difference|, outputs and exported states, and whether every bit
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--buckets", default="4096,16384")
     parser.add_argument("--width", type=int, default=gated_delta.wave_width())
     parser.add_argument("--kernel", action="store_true", help="also the waves as the Triton wave kernel")
+    parser.add_argument("--groups", default="1", help="waves a loop step (tree_chunked's group), comma-sep.")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dk", type=int, default=128)
     parser.add_argument("--dv", type=int, default=128)
@@ -69,14 +71,13 @@ def main() -> None:
         inputs = layer_inputs(size, args.heads, args.dk, args.dv)
         table = (jnp.asarray(p.span_end), jnp.asarray(p.chunks))
         common = {"exports": len(p.export_rows), "width": args.width}
-        versions = {
-            "before": partial(before.tree_chunked, *inputs, *table, **common),
-            "after": partial(gated_delta.tree_chunked, *inputs, *table, **common),
-        }
-        if args.kernel:
-            versions["after, wave kernel"] = partial(
-                gated_delta.tree_chunked, *inputs, *table, **common, kernel=True
-            )
+        versions = {"before": partial(before.tree_chunked, *inputs, *table, **common)}
+        after = partial(gated_delta.tree_chunked, *inputs, *table, **common)
+        for group in (int(g) for g in args.groups.split(",")):
+            grouped = f", {group} waves a step" if group > 1 else ""
+            versions[f"after{grouped}"] = partial(after, group=group)
+            if args.kernel:
+                versions[f"after, wave kernel{grouped}"] = partial(after, group=group, kernel=True)
         want_o, want_states = versions["before"]()
         real = int((p.chunks[:, 0] < p.size).sum())
         for name, run in versions.items():

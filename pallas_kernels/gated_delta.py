@@ -92,7 +92,7 @@ def wave_width() -> int:
     return WAVE.get(jax.default_backend(), 4)
 
 
-@partial(jax.jit, static_argnames=("chunk", "exports", "width", "kernel", "interpret"))
+@partial(jax.jit, static_argnames=("chunk", "exports", "width", "kernel", "interpret", "group"))
 def tree_chunked(
     q,
     k,
@@ -107,6 +107,7 @@ def tree_chunked(
     width: int = 4,
     kernel: bool = False,
     interpret: bool = False,
+    group: int = 1,
 ):
     """The gated delta rule over a packed tree pass (models.layers.TreeBatch): q, k, v, g, beta as in
     `recurrent` for every row [T, ...], each row's span_end [T], and the pass's recurrent chunks [N, 4]
@@ -126,7 +127,9 @@ def tree_chunked(
     and the state it starts from, never on what else the pass holds or which chunks share its wave. With
     `kernel`, each wave is one Triton program per (lane, head) (`wave_kernel`; `interpret` runs it on the
     CPU): the same arithmetic, the corrections solved row by row, in one launch instead of a few dozen XLA
-    kernels. (Working
+    kernels. The loop over waves runs to a count the device works out, and XLA:GPU then copies its condition
+    to the host before every step: with `group`, a step runs that many waves in an inner loop of a fixed
+    count (idle lanes past the last wave: the same bits), one such wait a group. (Working
     out every chunk's parts before the waves, a step of 32 or 128 chunks at a time, was slower on an H100,
     43.3 and 40.0 ms a layer against 37.3 for a 16,384-row pass, and not the same bits there:
     benchmarks/results/gated_delta_layer-h100-2026-12-07-ahead.md.)"""
@@ -141,6 +144,7 @@ def tree_chunked(
     ends = jnp.pad(span_end, (0, chunk))
     source = _sources(chunks)
     table, waves = _waves(chunks, source, t, width)
+    table = jnp.concatenate([table, jnp.full((group, width), n, jnp.int32)])  # idle waves past the last
     # A chunk's state is kept at its index; n holds zeros (START_ZERO's), n + 1 takes idle lanes' writes.
     firsts = jnp.append(chunks[:, 0], t)  # index n: an idle lane, no rows
     counts = jnp.append(chunks[:, 1], 0)
@@ -174,7 +178,14 @@ def tree_chunked(
 
     out = jnp.zeros(v.shape, jnp.float32)
     states = jnp.zeros((n + 2, h, k.shape[-1], v.shape[-1]), jnp.float32)
-    out, states = jax.lax.fori_loop(0, waves, wave, (out, states))
+    if group > 1:  # `group` waves a step of the loop (a count fixed at compile time), the last step's idle
+
+        def step(i, carry):
+            return jax.lax.fori_loop(0, group, lambda j, c: wave(i * group + j, c), carry)
+
+        out, states = jax.lax.fori_loop(0, -(-waves // group), step, (out, states))
+    else:
+        out, states = jax.lax.fori_loop(0, waves, wave, (out, states))
     keep = chunks[:, 3]
     slot = jnp.where(keep >= KEEP_EXPORT, keep - KEEP_EXPORT, exports)  # past the end: dropped
     exported_by = jnp.full(exports, n, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32), mode="drop")

@@ -3,6 +3,8 @@
 Every test runs 40 tokens of the same heads, so the recurrence compiles once for the file (the tree test once
 more, at its paths' length)."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,6 +117,22 @@ def test_the_wave_kernel_is_the_waves_arithmetic(value_block, monkeypatch):
     np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(states, want_states, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(o).max()) > 0 and float(jnp.abs(states).max()) > 0
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_waves_in_groups_of_a_fixed_count_change_no_bit(kernel):
+    """`group`: the waves 3 or 8 to a step of the loop (a ragged last step, or one step), with or without
+    the wave kernel (interpret mode): the bits of one wave a step."""
+    p, _ = _packed_pass()
+    inputs = _inputs(10, p.size)[:5]
+    table = (jnp.asarray(p.span_end), jnp.asarray(p.chunks))
+    run = partial(tree_chunked, *inputs, *table, exports=len(p.export_rows), width=4, kernel=kernel,
+                  interpret=kernel)  # fmt: skip
+    want_o, want_states = run()
+    for group in (3, 8):
+        o, states = run(group=group)
+        np.testing.assert_array_equal(o, want_o)
+        np.testing.assert_array_equal(states, want_states)
 
 
 def _packed_pass():

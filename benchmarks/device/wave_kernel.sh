@@ -13,7 +13,7 @@ JAX_PLATFORMS=cuda timeout ${T1:-240} python3 -m pytest -o addopts="" -q -p no:c
   -k gated_delta_wave > $OUT/wave-tests.log 2>&1
 echo "tests rc=$? $(tail -1 $OUT/wave-tests.log)"
 (cd benchmarks && JAX_PLATFORMS=cuda timeout ${T2:-200} python3 gated_delta_layer.py --tokenizer /tmp/tok \
-  --before ../.cache/device/gd_before.py --kernel --out $OUT/gdl > $OUT/gdl.log 2>&1; echo "layer rc=$?")
+  --before ../.cache/device/gd_before.py --kernel --groups ${GROUPS:-1,4} --out $OUT/gdl > $OUT/gdl.log 2>&1; echo "layer rc=$?")
 tail -8 $OUT/gdl.log | cut -c1-200
 rm -rf /tmp/tree-kernel && mkdir -p /tmp/tree-kernel && cp -r spinf_jax pallas_kernels packs /tmp/tree-kernel/
 sed -i 's/exports=slots.shape\[0\], width=wave_width()/exports=slots.shape[0], width=wave_width(), kernel=True/' \

@@ -13,12 +13,14 @@ four ways (the parts):
 
 Each part is driven for --seconds by closed-loop clients at each of --clients (a client posts its next state
 when its last is answered); a part's rate counts the states answered from its start to its last answer.
-Reported per part and client count: states/s, decisions/s (6 a state), p50/p99 latency of a state (a
-batch's in systemone-batch; from sending its request(s) to having every answer), states answered, errors
-(any non-200 or incomplete answer: counted and shown, never retried), the tokens the server read per state,
-and the client's own CPU share (a client near 100% of a core would be what limits the rate). Before timing,
-one state's `systemone` answers must equal its `one-per-question` answers bit for bit (the server answers a
-question the same whatever else is asked): `same_bits`.
+Reported per part and client count: states/s, decisions/s (6 a state), p50/p99 latency of a state (a batch's
+in systemone-batch; from sending its request(s) to having every answer), states answered, errors (any non-200
+or incomplete answer: counted and shown, never retried), the tokens the server read per state, and the
+client's own CPU share (a client near 100% of a core would be what limits the rate); with --shape on a GPU,
+MFU: 2 × the shape's linear parameters × the tokens read a second over the fp8 GEMM peak measured in the same
+run, before the server starts (common.gemm_peaks, in a process of its own; --no-peaks skips it). Before
+timing, one state's `systemone` answers must equal its `one-per-question` answers bit for bit (the server
+answers a question the same whatever else is asked): `same_bits`.
 
 The server is `spinf-jax serve` in a child process, ready with every bucket compiled before the parts. On
 the CPU, the default model:
@@ -343,14 +345,43 @@ def shape_config(name: str, tokenizer: str, out: Path) -> tuple[Path, dict]:
 
 def table(rows: list[dict]) -> str:
     columns = ["part", "clients", "states", "states/s", "decisions/s", "p50 ms", "p99 ms", "errors",
-               "tokens read/state", "client CPU"]  # fmt: skip
+               "tokens read/state", "MFU (fp8 peak)", "client CPU"]  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for r in rows:
+        mfu = f"{r['mfu']:.1%}" if "mfu" in r else ""
         cells = [r["part"], r["clients"], r["states"], f"{r['states_per_second']:.2f}",
                  f"{r['decisions_per_second']:.2f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}", r["errors"],
-                 f"{r['tokens_read_per_state']:.0f}", f"{r['client_cpu_share']:.1%}"]  # fmt: skip
+                 f"{r['tokens_read_per_state']:.0f}", mfu, f"{r['client_cpu_share']:.1%}"]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+# Run in a process of its own before the server starts (its GPU memory is given back when it ends).
+PEAKS = """
+import json, sys
+from common import SHAPES, gemm_peaks, linear_params
+from spinf_jax.loader import default_row_tile
+from spinf_jax.models import abstract_decoder
+from spinf_jax.quant import Precision
+decoder = abstract_decoder(SHAPES[sys.argv[1]], Precision(sys.argv[2]))
+print(json.dumps(gemm_peaks(decoder, int(sys.argv[3]) if len(sys.argv) > 3 else default_row_tile())
+                 | {"linear_params": linear_params(decoder)}))
+"""
+
+
+def peaks(shape: str, precision: str, row_tile: str | None) -> dict:
+    """The fp8 and bf16 GEMM peaks measured now on this machine's GPU (common.gemm_peaks: 8192³ and the
+    shape's own GEMMs at a row tile's rows), and the shape's linear parameters a token goes through."""
+    command = [sys.executable, "-c", PEAKS, shape, precision, *([row_tile] if row_tile else [])]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parent, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def mfu(row: dict, measured: dict) -> float:
+    """2 × linear parameters × the tokens read a second (the states' and their questions') over the fp8
+    peak measured in the same run."""
+    tokens = row["states_per_second"] * row["tokens_read_per_state"]
+    return 2 * measured["linear_params"] * tokens / (measured["fp8_gemm_tflops"] * 1e12)
 
 
 def markdown(d: dict, text: str) -> str:
@@ -392,6 +423,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--buckets", help="serve's --buckets (default: the server's on this backend)")
     parser.add_argument("--seed", type=int, default=0, help="the states' seed")
     parser.add_argument("--serve-args", default="", help="more `spinf-jax serve` flags")
+    parser.add_argument(
+        "--no-peaks", action="store_true", help="skip the GEMM peaks (no MFU; never measured on the CPU)"
+    )
     parser.add_argument("--out", help="a folder for decisions_http.json and decisions_http.md")
     args = parser.parse_args()
     if args.shape and not args.tokenizer:
@@ -427,6 +461,12 @@ def main() -> None:
     serve += ["--precision", args.precision, "--max-queue", str(queue), "--log-level", "warning"]
     serve += (["--buckets", args.buckets] if args.buckets else []) + shlex.split(args.serve_args)
     document["serve_command"] = "spinf-jax serve " + shlex.join(serve)
+    measured = None
+    if args.shape and not args.no_peaks and shutil.which("nvidia-smi"):
+        tile = next((w for f, w in zip(serve, serve[1:], strict=False) if f == "--row-tile"), None)
+        measured = peaks(args.shape, args.precision, tile)
+        document["peaks"] = measured
+        print("peaks", {k: v for k, v in measured.items() if k != "gemm_rates"}, flush=True)
     start = time.perf_counter()
     process, url = start_server(serve, out / "server.log")
     try:
@@ -452,6 +492,8 @@ def main() -> None:
             for n in clients:
                 row = asyncio.run(drive(url, part, n, args.seconds, args.seed, first))
                 first += row["states_asked"]
+                if measured:
+                    row["mfu"] = mfu(row, measured)
                 rows.append(row)
                 print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         document["results"] = rows

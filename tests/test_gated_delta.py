@@ -119,6 +119,22 @@ def test_the_wave_kernel_is_the_waves_arithmetic(value_block, monkeypatch):
     assert float(jnp.abs(o).max()) > 0 and float(jnp.abs(states).max()) > 0
 
 
+def test_the_wave_kernel_lowers_to_triton_for_an_h100(monkeypatch):
+    """Every operation of the wave kernel has a Triton lowering: the pass lowered for CUDA here, with jax
+    told it lowers for an H100 (what a GPU machine finds itself), holds the kernel as a Triton call. (Triton's
+    own compile to the GPU, registers and shared memory, happens there: tests/test_gpu.py.)"""
+    from jax._src.pallas.triton import gpu_info
+
+    h100 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100)
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *args, **kwargs: h100)
+    p, _ = _packed_pass()
+    inputs = _inputs(9, p.size, dk=128, dv=128)[:5]
+    table = (jnp.asarray(p.span_end), jnp.asarray(p.chunks))
+    run = jax.jit(partial(tree_chunked, exports=len(p.export_rows), width=4, kernel=True, group=2))
+    text = run.trace(*inputs, *table).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "gated_delta_wave"' in text
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 def test_waves_in_groups_of_a_fixed_count_change_no_bit(kernel):
     """`group`: the waves 3 or 8 to a step of the loop (a ragged last step, or one step), with or without

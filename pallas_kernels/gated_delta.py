@@ -331,7 +331,7 @@ VALUE_BLOCK = 64
 
 
 def wave_kernel(q, k, v, g, beta, ends, first, count, start, keep, out, states, *, chunk, interpret=False):
-    """One wave of `tree_chunked` as a Pallas kernel (Triton backend), one wave's chunks side by side: q, k
+    """One wave of `tree_chunked` as a Pallas kernel (Triton backend), its chunks side by side: q, k
     [T + C, H, Dk], v [T + C, H, Dv], g, beta [T + C, H] f32 and ends [T + C] (tree_chunked's, padded by a
     chunk of C rows), the lanes' first rows, row counts, the states they start from and the slots their last
     states go to ([W] each; an idle lane's slot is the last, N + 1, and it writes nothing), out [T + C, H, Dv]

@@ -14,6 +14,7 @@ import pytest
 from pallas_kernels import tree_attention_mosaic
 from pallas_kernels.gated_delta import tree_chunked
 from pallas_kernels.tree_attention import kernel, reference
+from spinf_jax import fingerprint
 from spinf_jax.decision_apis import DecisionApis
 from spinf_jax.engine import Engine
 from spinf_jax.layout import build_tree
@@ -140,3 +141,13 @@ def test_the_gated_delta_wave_kernel_is_the_waves_arithmetic(width):
     o, states = tree_chunked(*inputs, *table, exports=slots, width=width, kernel=True)
     np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(states, want_states, rtol=1e-4, atol=1e-5)
+
+
+def test_the_fingerprint_names_the_cuda_libraries():
+    """On a GPU the fingerprint's parts hold what XLA calls below jax: the driver's and the CUDA libraries'
+    versions as loaded, and the jax CUDA plugin's."""
+    named = fingerprint.parts(jax.devices()[0], {"model": "m"})
+    assert named["backend"] == "gpu" and "cpu" not in named
+    for library in ("cuda_driver", "cuda_runtime", "cublas", "cudnn"):
+        assert named[library].isdigit() and int(named[library]) > 0, (library, named)
+    assert any(name.startswith("jax-cuda") for name in named), named

@@ -1,7 +1,6 @@
 """What the benchmarks share: the seed job, the real model shapes, and a timer."""
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -305,7 +304,7 @@ def random_engine(args, name: str | None = None):
     tok = shape_tokenizer(args.tokenizer, config)
     model = Model(name or f"{shape}-shape-random", decoder, tok, digest="random-0")
     if getattr(args, "row_tile", None):
-        model = dataclasses.replace(model, row_tile=args.row_tile)
+        model = model.with_row_tile(args.row_tile)
     return Engine(model, Buckets(buckets))
 
 

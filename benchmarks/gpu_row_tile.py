@@ -6,7 +6,6 @@ in one run. Row tiles: None (each pass's rows at once) and the fixed tiles the e
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -39,7 +38,7 @@ def invariance(tile: int | None) -> dict:
     out = {}
     # The two that differed without tiles on the H200 (2026-11-29); tests/test_gpu.py checks all four.
     for family, precision in (("gemma3", "fp32"), ("qwen3", "bf16")):
-        model = dataclasses.replace(load_model(str(TINY / family), precision), row_tile=tile, _jitted={})
+        model = load_model(str(TINY / family), precision).with_row_tile(tile)
         small = 4096 if tile == 2048 else 2048
         engine = Engine(model, Buckets((small, 8192)))
         alone = engine.score_trees([target])[0].logprobs
@@ -52,7 +51,7 @@ def invariance(tile: int | None) -> dict:
 def throughput(
     model: Model, tile: int | None, request: dict, questions: int, repeats: int, bucket: int
 ) -> dict:
-    model = dataclasses.replace(model, row_tile=tile, _jitted={})
+    model = model.with_row_tile(tile)
     engine = Engine(model, Buckets((bucket,)))
     start = time.perf_counter()
     engine.warmup()

@@ -105,10 +105,10 @@ def main() -> None:
         parser.add_argument("--big", type=int, default=4096, help="the large bucket every engine has")
         parser.add_argument("--fits", type=int, default=512, help="a bucket that holds a Kev request")
         parser.add_argument("--seed", type=int, default=0, help="the states' seed")
+        parser.set_defaults(repeats=20)
         parser.add_argument("--profile", action="store_true", help=f"trace {PROFILED} more requests (GPU)")
 
     args = engine_args(__doc__, extra)
-    args.repeats = max(args.repeats, 20) if args.repeats == 3 else args.repeats  # 3 is engine_args' default
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -167,13 +167,14 @@ def tree_chunked(
         out, states = carry
         idx = table[w]  # [width] chunk indices, n where a lane is idle
         first, count = firsts[idx], counts[idx]
+        kept_at = jnp.where(idx < n, idx, n + 1)  # where each lane's last state goes
         if kernel:
-            lanes = (first, count, start_at[idx], jnp.where(idx < n, idx, n + 1))
+            lanes = (first, count, start_at[idx], kept_at)
             return wave_kernel(q, k, v, g, beta, ends, *lanes, out, states, chunk=chunk, interpret=interpret)
         o, s = jax.vmap(_heads_from_state)(worked_out(idx), states[start_at[idx]])
         at = jnp.where(rows[None, :] < count[:, None], first[:, None] + rows[None, :], t + chunk)
         out = out.at[at].set(o, mode="drop")  # a chunk's own rows, nothing else
-        states = states.at[jnp.where(idx < n, idx, n + 1)].set(s)
+        states = states.at[kept_at].set(s)
         return out, states
 
     out = jnp.zeros(v.shape, jnp.float32)

@@ -341,7 +341,7 @@ class Engine:
         rows of row-local work per tile (None: the backend's, loader.default_row_tile); every bucket must
         hold two."""
         model = load_model(spec, precision, progress)
-        return cls(replace(model, row_tile=row_tile, _jitted={}) if row_tile else model, **kwargs)
+        return cls(model.with_row_tile(row_tile) if row_tile else model, **kwargs)
 
     def warmup(
         self, progress: Progress | None = None, extraction: bool = False, background: bool = False

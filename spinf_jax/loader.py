@@ -7,7 +7,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -214,6 +214,11 @@ class Model:
     # once, which is row-invariant on no backend we measured (docs/batch-invariance.md).
     row_tile: int | None = field(default_factory=default_row_tile)
     _jitted: dict = field(default_factory=dict, repr=False)
+
+    def with_row_tile(self, row_tile: int | None) -> "Model":
+        """This model running its rows in tiles of `row_tile` (None: all of a pass's rows at once), its
+        compiled functions traced again (they were traced with the old tile)."""
+        return replace(self, row_tile=row_tile, _jitted={})
 
     @property
     def config(self):

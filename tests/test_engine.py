@@ -1,7 +1,6 @@
 """The scoring engine end to end on Gemma 3 270M: the SPEC's example, equivalence, invariance, the floor."""
 
 import copy
-import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -219,7 +218,7 @@ def test_unknown_pack_is_a_clear_error(engine):
 
 def test_buckets_must_hold_two_row_tiles_at_least(engine):
     # A one-tile pass would be an inlined loop, which rounds differently from the loop body.
-    model = dataclasses.replace(engine.model, row_tile=256, _jitted={})
+    model = engine.model.with_row_tile(256)
     for sizes in ((256, 1024), (512, 640)):
         with pytest.raises(ValueError, match="multiple of 256 and at least 512"):
             Engine(model, Buckets(sizes))

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib.metadata import version
 
 import anyio.to_thread
@@ -94,9 +94,10 @@ class Server:
             buckets = Buckets(s.buckets or default_sizes())
             if engine is None and s.random_weights:
                 model = random_model(s.random_weights, s.model, s.precision)
-                engine = Engine(replace(model, row_tile=s.row_tile or model.row_tile, _jitted={}), buckets)
-            tile = s.row_tile
-            engine = engine or Engine.load(s.model, s.precision, progress, buckets=buckets, row_tile=tile)
+                engine = Engine(model.with_row_tile(s.row_tile) if s.row_tile else model, buckets)
+            engine = engine or Engine.load(
+                s.model, s.precision, progress, buckets=buckets, row_tile=s.row_tile
+            )
             start = time.perf_counter()
             engine.on_pass = self.metrics.on_pass
             # Ready once the smallest and largest buckets are compiled (with their extraction programs),
